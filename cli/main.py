@@ -1,0 +1,18 @@
+"""The `metrale` command: one Typer app, one module per subcommand."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="metrale",
+    help="Batch generation from JSONL with lossless speculative decoding.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Batch generation from JSONL with lossless speculative decoding."""

@@ -1,0 +1,93 @@
+"""Requests in, results out: the engine's public types.
+
+Contract: the engine takes prompt token ids and sampling parameters and gives
+back token ids, text and figures. The CLI builds these objects once from JSONL
+and flags; nothing here knows about JSON, terminals or files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 (off) or positive, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: ``request_id`` is the caller's and comes back unchanged.
+
+    ``scope`` names the tenant whose earlier finished requests may supply
+    prompt-lookup copies (see ``metrale.lookup.SharedLookup``); ``None`` means
+    the request neither reads from nor is stored in the shared cache.
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    scope: str | None = None
+
+
+@dataclass
+class RequestStats:
+    """Speculation figures of one request.
+
+    ``verifies`` counts forward passes of the main model that decoded this
+    request (prefill excluded). Mean acceptance length = generated tokens /
+    verifies; it counts the bonus token, so plain decoding scores exactly 1.
+    """
+
+    verifies: int = 0
+    mtp_proposed: int = 0
+    mtp_accepted: int = 0
+    copies: int = 0
+    copy_proposed: int = 0
+    copy_accepted: int = 0
+    shared_copies: int = 0
+    shared_proposed: int = 0
+    shared_accepted: int = 0
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished request. ``error`` is set (and ``finish_reason == "error"``)
+    when the request could not be generated; the other requests are unaffected."""
+
+    request_id: str
+    prompt_tokens: int
+    output_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    stats: RequestStats
+    error: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
