@@ -93,3 +93,29 @@ class EngineConfig:
             raise ValueError("--max-batch must be at least 1")
         if self.prefill_chunk < 1:
             raise ValueError("prefill chunk must be at least 1 token")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and how the model runs.
+
+    ``device``/``dtype`` of ``None`` pick the defaults (CUDA with bfloat16 when
+    available, else the CPU default documented in the README). ``max_len`` of
+    ``None`` uses the model's context length, capped by ``kv_budget_mb`` when
+    that is set. ``mtp=False`` skips loading MTP layers.
+    """
+
+    device: str | None = None
+    dtype: str | None = None
+    num_slots: int = 16
+    max_len: int | None = None
+    kv_budget_mb: float | None = None
+    mtp: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1:
+            raise ValueError("--max-batch must be at least 1")
+        if self.max_len is not None and self.max_len < 2:
+            raise ValueError("max_len must be at least 2 tokens")
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError("--dtype must be one of float32, bfloat16, float16")
