@@ -1,5 +1,5 @@
 """Prompt lookup: copies of earlier tokens as drafts (pure Python, no torch)."""
 
-from metrale.lookup.prompt_lookup import PromptLookupConfig
+from metrale.lookup.prompt_lookup import PromptLookupConfig, PromptLookupSeq
 
-__all__ = ["PromptLookupConfig"]
+__all__ = ["PromptLookupConfig", "PromptLookupSeq"]

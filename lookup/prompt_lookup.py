@@ -10,7 +10,15 @@ used). A proposal never returns an empty list: "no copy" is ``None``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+Fallback = Callable[[Sequence[int], int], list[int] | None]
+"""``fallback(history, max_len)``: a second source of copies (the shared cache)."""
+
+# A cooldown longer than this many doublings would never be reached below any
+# sane ``miss_backoff``; capping the exponent keeps the shift small.
+_MAX_MISS_EXPONENT = 30
 
 
 @dataclass(frozen=True)
@@ -50,3 +58,148 @@ def _check_range(flag: str, value: int, low: int, high: int) -> None:
         raise ValueError(f"{flag} must be an integer, got {value!r}")
     if not low <= value <= high:
         raise ValueError(f"{flag} must be between {low} and {high}, got {value}")
+
+
+class PromptLookupSeq:
+    """Prompt-lookup state of one sequence.
+
+    The index maps each n-gram of the history to the position just after its
+    *latest* occurrence, for n-grams that already have a following token (so
+    the history's final n-gram never points at itself). ``propose`` indexes only
+    the tokens appended since its last call; a shorter history (a rewind) moves
+    that mark back and leaves stale entries, which the token-by-token re-check
+    of every hit rejects. The history passed in must extend, or be a prefix of,
+    the previous one for the index to find every match; proposals stay correct
+    whatever is passed, because every hit is re-checked.
+
+    Worked example (ngram 2, min_match 2): history ``[5, 6, 7, 5, 6]`` ends with
+    ``(5, 6)``, whose latest earlier occurrence is followed by position 2; the
+    copy is ``[7, 5, 6]`` cut to ``max_len``.
+    """
+
+    def __init__(self, cfg: PromptLookupConfig) -> None:
+        self._ngram = cfg.ngram
+        self._min_match = cfg.effective_min_match
+        self._max_drafts = cfg.max_drafts
+        self._miss_backoff = cfg.miss_backoff
+        self._index: dict[tuple[int, ...], int] = {}
+        self._indexed_upto = 0  # positions j < this have their n-gram indexed
+        self._window = min(2, cfg.max_drafts)
+        self._misses = 0
+        self._cooldown = 0  # proposal rounds left that propose nothing
+        self._in_flight = 0
+        self._in_flight_shared = False
+
+    @property
+    def window(self) -> int:
+        """How many tokens the next copy should propose (the caller's cap)."""
+        return self._window
+
+    @property
+    def in_flight(self) -> int:
+        """Length of the copy awaiting its verify; 0 when none."""
+        return self._in_flight
+
+    @property
+    def in_flight_shared(self) -> bool:
+        """Whether the copy in flight came from the fallback (shared cache)."""
+        return self._in_flight_shared
+
+    @property
+    def cooldown(self) -> int:
+        """Proposal rounds left during which nothing is proposed."""
+        return self._cooldown
+
+    def propose(self, history: Sequence[int], max_len: int) -> list[int] | None:
+        """A copy of at most ``max_len`` tokens from the history itself, marked
+        in flight; ``None`` when there is no qualifying match or during a
+        cooldown (which this call then shortens by one round)."""
+        return self.propose_with(history, max_len, None)
+
+    def propose_with(
+        self, history: Sequence[int], max_len: int, fallback: Fallback | None
+    ) -> list[int] | None:
+        """Like ``propose``, but asks ``fallback(history, max_len)`` when the
+        history has no qualifying match. A fallback copy is clipped to
+        ``max_len`` and marked shared. The cooldown applies to both sources.
+        ``max_len < 1`` proposes nothing and changes nothing."""
+        if self._in_flight:
+            raise RuntimeError("prompt lookup: the previous copy was neither settled nor abandoned")
+        if max_len < 1:
+            return None
+        if self._cooldown > 0:
+            self._cooldown -= 1
+            return None
+        copy = self._own_copy(history, max_len)
+        shared = False
+        if copy is None and fallback is not None:
+            found = fallback(history, max_len)
+            if found:
+                copy, shared = list(found[:max_len]), True
+        if copy is None:
+            return None
+        self._in_flight, self._in_flight_shared = len(copy), shared
+        return copy
+
+    def cut_in_flight(self, length: int) -> None:
+        """Records that only the first ``length`` tokens of the copy in flight
+        will be verified (e.g. cut to a power of two), so ``settle`` judges the
+        window against what was really verified."""
+        if not 1 <= length <= self._in_flight:
+            raise ValueError(f"cannot cut a copy of {self._in_flight} tokens to {length}")
+        self._in_flight = length
+
+    def settle(self, accepted: int) -> int:
+        """Ends the copy in flight after its verify accepted ``accepted`` of its
+        tokens; returns the copy's length (0, and no change, when none was in
+        flight). A copy accepted in full doubles the window up to
+        ``max_drafts``; any shortfall halves it down to 1. Nothing accepted is a
+        miss: the next ``min(2**(misses-1), miss_backoff)`` proposals propose
+        nothing. Any accepted token clears the miss count."""
+        proposed = self._in_flight
+        if proposed == 0:
+            return 0
+        accepted = max(0, min(accepted, proposed))
+        if accepted == proposed:
+            self._window = min(self._window * 2, self._max_drafts)
+        else:
+            self._window = max(self._window // 2, 1)
+        if accepted == 0:
+            self._misses = min(self._misses + 1, _MAX_MISS_EXPONENT)
+            if self._miss_backoff:
+                self._cooldown = min(1 << (self._misses - 1), self._miss_backoff)
+        else:
+            self._misses = 0
+        self._in_flight, self._in_flight_shared = 0, False
+        return proposed
+
+    def abandon(self) -> None:
+        """Drops the copy in flight unverified; the window is unchanged."""
+        self._in_flight, self._in_flight_shared = 0, False
+
+    def _own_copy(self, history: Sequence[int], max_len: int) -> list[int] | None:
+        self._index_new_tokens(history)
+        n, m, end = self._ngram, self._min_match, len(history)
+        if end <= n:
+            return None
+        after = self._index.get(tuple(history[end - n :]))
+        # `after < end` rejects entries left behind by a rewind; the slice
+        # comparison re-checks min_match tokens (which include the n-gram)
+        # against the history as it is now.
+        if after is None or after < m or after >= end:
+            return None
+        if history[after - m : after] != history[end - m :]:
+            return None
+        return list(history[after : after + max_len])
+
+    def _index_new_tokens(self, history: Sequence[int]) -> None:
+        n, end = self._ngram, len(history)
+        # A rewind: positions past the end are no longer indexed; their stale
+        # entries stay and fail the re-check or the bound in `_own_copy`.
+        start = max(min(self._indexed_upto, end), n)
+        if start < end:
+            # The n-gram ending just before position j, for j in [start, end);
+            # later positions overwrite earlier ones, so the latest occurrence wins.
+            grams = zip(*(history[start - n + k : end - n + k] for k in range(n)), strict=True)
+            self._index.update(zip(grams, range(start, end), strict=True))
+        self._indexed_upto = end
