@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from metrale.cli.generate import generate
+
 app = typer.Typer(
     name="metrale",
     help="Batch generation from JSONL with lossless speculative decoding.",
@@ -16,3 +18,6 @@ app = typer.Typer(
 @app.callback()
 def _root() -> None:
     """Batch generation from JSONL with lossless speculative decoding."""
+
+
+app.command(name="generate")(generate)

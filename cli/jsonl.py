@@ -1,0 +1,315 @@
+"""Input lines -> engine requests, in both JSONL formats, detected per line.
+
+Contract: one input line gives exactly one output record, good or bad. A line
+that is not JSON, lacks a prompt, carries an invalid parameter or is too long
+for the model becomes a ``LineError`` naming the line (``path:number``) and
+the field; it never stops the other lines. Nothing here touches the engine or
+a terminal: the command feeds ``Request``s to the engine and writes records.
+
+Formats (see README "Formats"):
+
+- simple: ``{"id"?, "prompt" | "messages", "max_tokens"?, "temperature"?,
+  "top_p"?, "top_k"?, "seed"?, "stop"?, "scope"?, "metadata"?}``; its output
+  ``id`` is the input's, else the line number (1-based, counted across all
+  inputs of the run).
+- OpenAI Batch API: ``{"custom_id", "method": "POST", "url":
+  "/v1/chat/completions" | "/v1/completions", "body": {...}}``.
+
+Sampling fields a line leaves out come from the run's flags. A line without
+``seed`` gets ``--seed + line number`` (when ``--seed`` is given), so a
+sampled run is reproducible whatever order requests finish in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
+
+import orjson
+
+from metrale.engine.api import Request, SamplingParams
+
+LineFormat = Literal["simple", "chat", "completion"]
+BATCH_URLS: dict[str, LineFormat] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+}
+SIMPLE_FIELDS = frozenset(
+    {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed"}
+    | {"stop", "scope", "metadata"}
+)
+# Batch bodies carry more than metrale honours. These are accepted and ignored:
+BODY_IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options"})
+# ...and these only at the value that means "feature off", since anything else
+# would silently change what the caller asked for.
+BODY_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "stream": (False,),
+    "logprobs": (False, None),
+    "top_logprobs": (None, 0),
+    "echo": (False,),
+    "best_of": (1,),
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+MAX_STOPS = 16
+
+
+class LineFault(Exception):
+    """A problem with one field of one line (``field`` is None for the line)."""
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class LineRef:
+    """Where a line came from: ``number`` counts across inputs, ``where`` is
+    ``path:line-in-file`` for messages."""
+
+    number: int
+    where: str
+
+
+@dataclass(frozen=True)
+class LineDefaults:
+    """Run-wide values for what a line leaves out (from the flags)."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    scope: str | None = None
+
+
+@dataclass(frozen=True)
+class ParsedLine:
+    """A well-formed line, not yet tokenized. ``output_id`` is the value the
+    output record carries (simple ``id`` or batch ``custom_id``)."""
+
+    ref: LineRef
+    format: LineFormat
+    output_id: Any
+    params: SamplingParams
+    scope: str | None
+    prompt: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    metadata: Any = None
+
+
+@dataclass(frozen=True)
+class LineError:
+    """A line that will not be generated; written as an error record."""
+
+    ref: LineRef
+    format: LineFormat
+    output_id: Any
+    field: str | None
+    message: str
+
+
+class Tokenizer(Protocol):
+    """The slice of a transformers tokenizer this module uses."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+
+def parse_line(
+    ref: LineRef, raw: bytes, defaults: LineDefaults, fallback: LineFormat = "simple"
+) -> ParsedLine | LineError:
+    """Parses one input line. ``fallback`` is the format an error record takes
+    when the line is too broken to tell (the format of the previous line)."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return LineError(ref, fallback, _default_id(ref, fallback), None, f"not JSON: {exc}")
+    if not isinstance(obj, dict):
+        msg = f"expected a JSON object, got {type(obj).__name__}"
+        return LineError(ref, fallback, _default_id(ref, fallback), None, msg)
+    fmt: LineFormat = "simple"
+    output_id: Any = obj.get("id", ref.number)
+    try:
+        if "custom_id" in obj or "body" in obj:
+            output_id = obj.get("custom_id")
+            fmt = _batch_format(obj)
+            return _parse_body(ref, fmt, output_id, obj, defaults)
+        return _parse_simple(ref, output_id, obj, defaults)
+    except LineFault as fault:
+        return LineError(ref, fmt, output_id, fault.field, fault.message)
+
+
+def encode(parsed: ParsedLine, tokenizer: Tokenizer, max_len: int) -> Request | LineError:
+    """Tokenizes a parsed line into a Request whose id is the line number
+    (unique within the run, unlike user ids). A prompt that leaves no room to
+    generate one token within ``max_len`` is an error naming its field."""
+    name = "prompt" if parsed.prompt is not None else "messages"
+    try:
+        if parsed.prompt is not None:
+            ids = list(tokenizer.encode(parsed.prompt))
+        else:
+            text = tokenizer.apply_chat_template(
+                list(parsed.messages or ()), tokenize=False, add_generation_prompt=True
+            )
+            ids = list(tokenizer.encode(str(text), add_special_tokens=False))
+    except Exception as exc:  # a chat template may raise anything (jinja)
+        return _error(parsed, name, f"cannot tokenize: {exc}")
+    if not ids:
+        return _error(parsed, name, "encodes to no tokens")
+    if len(ids) >= max_len:
+        msg = f"too long: {len(ids)} tokens, the model holds {max_len} (prompt + output)"
+        return _error(parsed, name, msg)
+    return Request(str(parsed.ref.number), tuple(ids), parsed.params, parsed.scope)
+
+
+def id_key(value: Any) -> str:
+    """A hashable key for an output id; ``1`` and ``"1"`` stay different."""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _default_id(ref: LineRef, fmt: LineFormat) -> Any:
+    return ref.number if fmt == "simple" else None
+
+
+def _error(parsed: ParsedLine, name: str | None, message: str) -> LineError:
+    return LineError(parsed.ref, parsed.format, parsed.output_id, name, message)
+
+
+def _batch_format(obj: dict[str, Any]) -> LineFormat:
+    if not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
+        raise LineFault("custom_id", "must be a non-empty string")
+    if obj.get("method", "POST") != "POST":
+        raise LineFault("method", "must be POST")
+    url = obj.get("url")
+    if url not in BATCH_URLS:
+        raise LineFault("url", f"must be one of {', '.join(BATCH_URLS)}, got {url!r}")
+    if not isinstance(obj.get("body"), dict):
+        raise LineFault("body", "must be a JSON object")
+    return BATCH_URLS[url]
+
+
+def _parse_simple(
+    ref: LineRef, output_id: Any, obj: dict[str, Any], defaults: LineDefaults
+) -> ParsedLine:
+    unknown = sorted(set(obj) - SIMPLE_FIELDS)
+    if unknown:
+        raise LineFault(unknown[0], "unknown field (see README 'Formats')")
+    if not isinstance(output_id, str | int) or isinstance(output_id, bool):
+        raise LineFault("id", "must be a string or an integer")
+    prompt, messages = _prompt_or_messages(obj, "")
+    params = _params(obj, "", defaults.params, ref.number, obj.get("max_tokens"))
+    scope = _scope(obj.get("scope", defaults.scope), "scope")
+    return ParsedLine(
+        ref, "simple", output_id, params, scope, prompt, messages, obj.get("metadata")
+    )
+
+
+def _parse_body(
+    ref: LineRef, fmt: LineFormat, custom_id: str, obj: dict[str, Any], defaults: LineDefaults
+) -> ParsedLine:
+    body: dict[str, Any] = obj["body"]
+    for key, allowed in BODY_DEFAULTS.items():
+        if key in body and body[key] not in allowed:
+            raise LineFault(f"body.{key}", f"is not supported (only {allowed[0]!r})")
+    known = {"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature"}
+    known |= {"top_p", "top_k", "seed", "stop"} | BODY_IGNORED | set(BODY_DEFAULTS)
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise LineFault(f"body.{unknown[0]}", "is not supported")
+    if fmt == "chat" and "prompt" in body:
+        raise LineFault("body.prompt", "belongs to /v1/completions; chat takes messages")
+    if fmt == "completion" and "messages" in body:
+        raise LineFault("body.messages", "belongs to /v1/chat/completions; use prompt")
+    prompt, messages = _prompt_or_messages(body, "body.")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    params = _params(body, "body.", defaults.params, ref.number, max_tokens)
+    scope = _scope(obj.get("scope", defaults.scope), "scope")
+    return ParsedLine(ref, fmt, custom_id, params, scope, prompt, messages)
+
+
+def _prompt_or_messages(
+    obj: dict[str, Any], prefix: str
+) -> tuple[str | None, tuple[dict[str, str], ...] | None]:
+    has_prompt, has_messages = "prompt" in obj, "messages" in obj
+    if has_prompt == has_messages:
+        what = "both" if has_prompt else "neither"
+        raise LineFault(f"{prefix}prompt", f"give exactly one of prompt or messages, not {what}")
+    if has_prompt:
+        if not isinstance(obj["prompt"], str):
+            raise LineFault(f"{prefix}prompt", "must be a string")
+        return obj["prompt"], None
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise LineFault(f"{prefix}messages", "must be a non-empty list of {role, content}")
+    return None, tuple(_message(m, f"{prefix}messages[{i}]") for i, m in enumerate(messages))
+
+
+def _message(m: Any, where: str) -> dict[str, str]:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise LineFault(where, "must be an object with a string role")
+    content = m.get("content")
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+            raise LineFault(f"{where}.content", "only text parts are supported")
+        content = "".join(texts)  # type: ignore[arg-type]
+    if not isinstance(content, str):
+        raise LineFault(f"{where}.content", "must be a string")
+    return {"role": m["role"], "content": content}
+
+
+def _params(
+    obj: dict[str, Any], prefix: str, base: SamplingParams, number: int, max_tokens: Any
+) -> SamplingParams:
+    changes: dict[str, Any] = {}
+    if max_tokens is not None:
+        changes["max_tokens"] = _int(max_tokens, f"{prefix}max_tokens", 1)
+    for name, lo, hi, lo_open in (("temperature", 0.0, 100.0, False), ("top_p", 0.0, 1.0, True)):
+        if obj.get(name) is not None:
+            changes[name] = _float(obj[name], prefix + name, lo, hi, lo_open)
+    if obj.get("top_k") is not None:
+        changes["top_k"] = _int(obj["top_k"], f"{prefix}top_k", 0)
+    if obj.get("seed") is not None:
+        changes["seed"] = _int(obj["seed"], f"{prefix}seed", 0)
+    elif base.seed is not None:
+        changes["seed"] = base.seed + number
+    if obj.get("stop") is not None:
+        changes["stop"] = _stops(obj["stop"], f"{prefix}stop")
+    return replace(base, **changes)
+
+
+def _int(value: Any, name: str, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LineFault(name, f"must be an integer, got {value!r}")
+    if value < lo:
+        raise LineFault(name, f"must be at least {lo}, got {value}")
+    return value
+
+
+def _float(value: Any, name: str, lo: float, hi: float, lo_open: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise LineFault(name, f"must be a number, got {value!r}")
+    if (value <= lo if lo_open else value < lo) or value > hi:
+        left = "(" if lo_open else "["
+        raise LineFault(name, f"must be in {left}{lo:g}, {hi:g}], got {value}")
+    return float(value)
+
+
+def _stops(value: Any, name: str) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise LineFault(name, "must be a non-empty string or a list of them")
+    if len(stops) > MAX_STOPS:
+        raise LineFault(name, f"at most {MAX_STOPS} stop strings")
+    return tuple(stops)
+
+
+def _scope(value: Any, name: str) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise LineFault(name, "must be a non-empty string")
+    return value

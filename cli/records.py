@@ -1,0 +1,200 @@
+"""Output records, and reading back an output file for ``--resume``.
+
+Contract: a line answered in the simple format gets a simple record; a batch
+line gets an OpenAI batch output line (``id``, ``custom_id``, ``response:
+{status_code, request_id, body}``, ``error``), with a ``chat.completion`` or
+``text_completion`` body and ``usage``. Errors keep the input's format: a
+simple error record carries ``finish_reason: "error"`` and ``error: {line,
+field, message}``; a batch one answers status 400 (bad line) or 500 (the
+engine failed it) with an OpenAI-style error body.
+
+Ids in batch records are derived from the line number (``batch_req_7``,
+``chatcmpl-7``), so two runs over the same input write the same ids.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from metrale.cli.jsonl import LineError, LineFormat, ParsedLine, id_key
+from metrale.engine.api import RequestStats, Result
+
+
+def result_record(parsed: ParsedLine, result: Result, model_name: str) -> dict[str, Any]:
+    """The record for a request the engine finished (or failed)."""
+    if result.error is not None:
+        return _failure(
+            parsed.ref.where,
+            parsed.ref.number,
+            parsed.format,
+            parsed.output_id,
+            None,
+            result.error,
+            status=500,
+        )
+    usage = {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
+    if parsed.format == "simple":
+        record: dict[str, Any] = {
+            "id": parsed.output_id,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "usage": usage,
+            "speculation": speculation(result.stats, result.completion_tokens),
+        }
+        if parsed.metadata is not None:
+            record["metadata"] = parsed.metadata
+        return record
+    n = parsed.ref.number
+    if parsed.format == "chat":
+        body: dict[str, Any] = {
+            "id": f"chatcmpl-{n}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": result.text},
+                    "finish_reason": result.finish_reason,
+                    "logprobs": None,
+                }
+            ],
+            "usage": usage,
+        }
+    else:
+        body = {
+            "id": f"cmpl-{n}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": result.text,
+                    "finish_reason": result.finish_reason,
+                    "logprobs": None,
+                }
+            ],
+            "usage": usage,
+        }
+    response = {"status_code": 200, "request_id": f"req_{n}", "body": body}
+    return {
+        "id": f"batch_req_{n}",
+        "custom_id": parsed.output_id,
+        "response": response,
+        "error": None,
+    }
+
+
+def error_record(err: LineError) -> dict[str, Any]:
+    """The record for a line that was never generated."""
+    return _failure(
+        err.ref.where, err.ref.number, err.format, err.output_id, err.field, err.message, status=400
+    )
+
+
+def speculation(stats: RequestStats, completion_tokens: int) -> dict[str, Any]:
+    """Per-request figures. ``mean_tokens_per_verify`` counts the bonus token
+    (plain decoding scores 1.0)."""
+    return {
+        "verifies": stats.verifies,
+        "mean_tokens_per_verify": round(completion_tokens / stats.verifies, 3)
+        if stats.verifies
+        else 0.0,
+        "mtp": {"proposed": stats.mtp_proposed, "accepted": stats.mtp_accepted},
+        "prompt_lookup": {
+            "copies": stats.copies,
+            "proposed": stats.copy_proposed,
+            "accepted": stats.copy_accepted,
+        },
+        "shared_lookup": {
+            "copies": stats.shared_copies,
+            "proposed": stats.shared_proposed,
+            "accepted": stats.shared_accepted,
+        },
+    }
+
+
+def dumps(record: dict[str, Any]) -> str:
+    """One JSONL line, newline included."""
+    return orjson.dumps(record).decode() + "\n"
+
+
+def is_failure(record: dict[str, Any]) -> bool:
+    if "custom_id" in record:
+        return record.get("error") is not None or record["response"]["status_code"] != 200
+    return record.get("finish_reason") == "error"
+
+
+def done_ids(path: Path) -> set[str]:
+    """Ids (as ``id_key``) already answered in ``path``, for ``--resume``.
+
+    A run cut off mid-write leaves a partial last line: it is cut away here so
+    that appending starts on a fresh line. A missing file means nothing is done.
+    """
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    tail = data[len(complete) :]
+    if tail:
+        with path.open("r+b") as f:
+            if _parses(tail):  # whole but unterminated: keep it, end the line
+                f.seek(len(data))
+                f.write(b"\n")
+                complete = data + b"\n"
+            else:
+                f.truncate(len(complete))
+    ids: set[str] = set()
+    for line in complete.splitlines():
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue  # not ours: leave it, its request runs again
+        if isinstance(record, dict):
+            key = "custom_id" if "custom_id" in record else "id"
+            if key in record:
+                ids.add(id_key(record[key]))
+    return ids
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        return isinstance(orjson.loads(line), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def _failure(
+    where: str,
+    number: int,
+    fmt: LineFormat,
+    output_id: Any,
+    field: str | None,
+    message: str,
+    status: int,
+) -> dict[str, Any]:
+    if fmt == "simple":
+        return {
+            "id": output_id,
+            "finish_reason": "error",
+            "error": {"line": where, "field": field, "message": message},
+        }
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    text = f"line {where}: " + (f"{field}: {message}" if field else message)
+    body = {"error": {"message": text, "type": kind, "param": field, "code": None}}
+    response = {"status_code": status, "request_id": f"req_{number}", "body": body}
+    return {
+        "id": f"batch_req_{number}",
+        "custom_id": output_id,
+        "response": response,
+        "error": None,
+    }
