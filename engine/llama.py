@@ -1,0 +1,264 @@
+"""The Llama-family forward over slot-addressed KV cache.
+
+Contract: ``LlamaModel`` implements ``metrale.engine.model.Model`` for Llama,
+SmolLM, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm) and MiMo's Qwen2
+base: RMSNorm, RoPE (``rope.py``), grouped-query attention, SwiGLU, tied or
+untied embeddings. Numerics follow transformers' modules (norms in float32,
+cast back before the weight), so greedy output matches theirs token for token
+at the same dtype.
+
+All rows of a forward run as one packed batch: one matmul per projection for
+every token of every segment, one attention call for all segments (padded to
+the longest), KV written by one index op per layer. q/k/v and gate/up weights
+are fused at load time so a decode step costs few, large ops. Everything runs
+under ``torch.inference_mode``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from metrale.engine.checkpoint import ArchSpec, WeightStore
+from metrale.engine.kv_cache import RowPlan, SlotKVCache, plan_rows
+from metrale.engine.model import ForwardOutput, LogitRows, Segment
+from metrale.engine.rope import RopeTable, apply_rope
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in float32, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass
+class BlockWeights:
+    """One decoder layer, with q/k/v and gate/up fused."""
+
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    q_norm: torch.Tensor | None  # [head_dim]
+    k_norm: torch.Tensor | None  # [head_dim]
+    o_proj: torch.Tensor  # [hidden, q_size]
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def load_block(
+    store: WeightStore,
+    prefix: str,
+    spec: ArchSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    norm_offset: float = 0.0,
+) -> BlockWeights:
+    """Reads ``{prefix}input_layernorm...`` etc. ``norm_offset`` is added to every
+    norm weight (1.0 for zero-centred norms such as Qwen3-Next's)."""
+
+    def get(name: str) -> torch.Tensor:
+        return store.get(prefix + name).to(device=device, dtype=dtype)
+
+    def norm(name: str) -> torch.Tensor:
+        return (store.get(prefix + name).float() + norm_offset).to(device=device, dtype=dtype)
+
+    attn = "self_attn."
+    bias = None
+    if spec.qkv_bias:
+        bias = torch.cat([get(f"{attn}{p}_proj.bias") for p in "qkv"])
+    mlp_names = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+    if not all(prefix + n in store for n in mlp_names):
+        raise ValueError(
+            f"{prefix}mlp is not a dense SwiGLU MLP (MoE blocks are not supported yet)"
+        )
+    return BlockWeights(
+        attn_norm=norm("input_layernorm.weight"),
+        qkv=torch.cat([get(f"{attn}{p}_proj.weight") for p in "qkv"]),
+        qkv_bias=bias,
+        q_norm=norm(f"{attn}q_norm.weight") if spec.qk_norm else None,
+        k_norm=norm(f"{attn}k_norm.weight") if spec.qk_norm else None,
+        o_proj=get(f"{attn}o_proj.weight"),
+        mlp_norm=norm("post_attention_layernorm.weight"),
+        gate_up=torch.cat([get(n) for n in mlp_names]),
+        down=get("mlp.down_proj.weight"),
+    )
+
+
+class DecoderStack:
+    """Runs decoder blocks over a ``RowPlan`` with one ``SlotKVCache``.
+
+    Shared by the main model and MTP modules: a module's block is a stack of
+    one layer with its own cache.
+    """
+
+    def __init__(self, spec: ArchSpec, blocks: list[BlockWeights], cache: SlotKVCache) -> None:
+        self.spec = spec
+        self.blocks = blocks
+        self.cache = cache
+        self.group = spec.num_heads // spec.num_kv_heads
+
+    def run(self, x: torch.Tensor, plan: RowPlan, rope: RopeTable) -> torch.Tensor:
+        """``x`` ``[num_tokens, hidden]`` through every block; returns the new residual."""
+        cos, sin = rope.gather(plan.positions)  # [num_tokens, 1, head_dim] each
+        for layer, w in enumerate(self.blocks):
+            x = x + self._attention(
+                rms_norm(x, w.attn_norm, self.spec.rms_norm_eps), w, layer, plan, cos, sin
+            )
+            h = rms_norm(x, w.mlp_norm, self.spec.rms_norm_eps)
+            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+            x = x + F.linear(F.silu(gate) * up, w.down)
+        return x
+
+    def _attention(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden]
+        w: BlockWeights,
+        layer: int,
+        plan: RowPlan,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        spec = self.spec
+        num_tokens = h.shape[0]
+        qkv = F.linear(h, w.qkv, w.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        q = q.view(num_tokens, spec.num_heads, spec.head_dim)
+        k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        if w.q_norm is not None and w.k_norm is not None:
+            q = rms_norm(q, w.q_norm, spec.rms_norm_eps)
+            k = rms_norm(k, w.k_norm, spec.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        self.cache.write(layer, plan, k, v)
+        if plan.mask is None:
+            out = self._causal_prefill(q, k, v)
+        else:
+            out = self._attend_cached(q, layer, plan)
+        return F.linear(out, w.o_proj)
+
+    def _causal_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One segment from position 0: attention over its own k/v, no cache read."""
+        num_tokens = q.shape[0]
+        q4 = q.transpose(0, 1).unsqueeze(0)  # [1, heads, num_tokens, head_dim]
+        k4 = k.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, num_tokens, head_dim]
+        v4 = v.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1).reshape(num_tokens, -1)  # [num_tokens, q_size]
+
+    def _attend_cached(self, q: torch.Tensor, layer: int, plan: RowPlan) -> torch.Tensor:
+        """All segments in one call. The query heads sharing a kv head are stacked
+        along the query axis (``[S, kv_heads, group * rows, head_dim]``) so keys
+        and values are read once per kv head, never repeated."""
+        spec, group = self.spec, self.group
+        segs, rows = plan.num_segments, plan.max_rows
+        if plan.pad_index is not None:
+            padded = q.new_zeros(segs * rows, spec.num_heads, spec.head_dim)
+            padded.index_copy_(0, plan.pad_index, q)
+            q = padded
+        # [S, rows, kv_heads, group, head_dim] -> [S, kv_heads, group * rows, head_dim]
+        q = q.view(segs, rows, spec.num_kv_heads, group, spec.head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(segs, spec.num_kv_heads, group * rows, spec.head_dim)
+        keys, values = self.cache.read(layer, plan)  # [S, kv_heads, ctx_len, head_dim] each
+        mask = plan.grouped_mask(group)  # [S, 1, group * rows, ctx_len]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        # back to packed rows: [S, kv_heads, group, rows, head_dim] -> [S * rows, q_size]
+        out = out.view(segs, spec.num_kv_heads, group, rows, spec.head_dim)
+        out = out.permute(0, 3, 1, 2, 4).reshape(segs * rows, spec.q_size)
+        if plan.pad_index is not None:
+            out = out.index_select(0, plan.pad_index)
+        return out
+
+
+@dataclass
+class HeadWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+
+
+class LlamaModel:
+    """``Model`` for the Llama family (see module doc)."""
+
+    def __init__(
+        self,
+        spec: ArchSpec,
+        hf_config: Any,
+        store: WeightStore,
+        *,
+        num_slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.spec = spec
+        self.dtype = dtype
+        self._device = device
+        self._num_slots = num_slots
+        self._max_len = max_len
+
+        def get(name: str) -> torch.Tensor:
+            return store.get(name).to(device=device, dtype=dtype)
+
+        embed = get("model.embed_tokens.weight")
+        tied = spec.tie_embeddings or "lm_head.weight" not in store
+        self.head = HeadWeights(
+            embed=embed,
+            norm=get("model.norm.weight"),
+            lm_head=embed if tied else get("lm_head.weight"),
+        )
+        blocks = [
+            load_block(store, f"model.layers.{i}.", spec, dtype, device)
+            for i in range(spec.num_layers)
+        ]
+        cache = SlotKVCache(
+            spec.num_layers, num_slots, spec.num_kv_heads, max_len, spec.head_dim, dtype, device
+        )
+        self.stack = DecoderStack(spec, blocks, cache)
+        self.rope = RopeTable(hf_config, spec.head_dim, max_len, dtype, device)
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.head.lm_head.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.stack.cache.bytes_per_token
+
+    def plan(self, segments: Sequence[Segment]) -> RowPlan:
+        return plan_rows(
+            segments, self._num_slots, self._max_len, self._device, self.spec.sliding_window
+        )
+
+    @torch.inference_mode()
+    def forward(self, segments: Sequence[Segment], logits: LogitRows = "all") -> ForwardOutput:
+        plan = self.plan(segments)
+        x = F.embedding(plan.token_ids, self.head.embed)  # [num_tokens, hidden]
+        hidden = self.stack.run(x, plan, self.rope)  # [num_tokens, hidden], pre-norm
+        rows = hidden if logits == "all" else hidden.index_select(0, plan.last_rows)
+        return ForwardOutput(logits=self.logits(rows), hidden=hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: ``[rows, hidden]`` -> ``[rows, vocab]`` float32."""
+        normed = rms_norm(hidden, self.head.norm, self.spec.rms_norm_eps)
+        return F.linear(normed, self.head.lm_head).float()
