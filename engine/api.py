@@ -60,11 +60,15 @@ class RequestStats:
     """Speculation figures of one request.
 
     ``verifies`` counts forward passes of the main model that decoded this
-    request (prefill excluded). Mean acceptance length = generated tokens /
-    verifies; it counts the bonus token, so plain decoding scores exactly 1.
+    request (prefill excluded); ``verify_tokens`` the tokens they produced
+    (accepted drafts plus the bonus token, before any cut at EOS or a stop).
+    Mean acceptance length = ``verify_tokens / verifies``; it counts the bonus
+    token, so plain decoding scores exactly 1. The first output token comes
+    from the prefill and is in neither figure.
     """
 
     verifies: int = 0
+    verify_tokens: int = 0
     mtp_proposed: int = 0
     mtp_accepted: int = 0
     copies: int = 0
@@ -73,6 +77,11 @@ class RequestStats:
     shared_copies: int = 0
     shared_proposed: int = 0
     shared_accepted: int = 0
+
+    @property
+    def mean_tokens_per_verify(self) -> float:
+        """Counts the bonus token: 1.0 means no draft was ever accepted."""
+        return self.verify_tokens / self.verifies if self.verifies else 0.0
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,14 @@
 Definitions:
 - ``verifies``: forward passes of the main model that decoded tokens (prefill
   passes are counted apart in ``prefills``).
-- ``mean_tokens_per_verify`` = tokens emitted by verifies / verifies. It
-  counts the bonus token (the model's own token after the last accepted
-  draft), so plain decoding scores exactly 1.0.
+- ``seq_verifies``: verifies of one sequence each (a pass verifying 16
+  sequences counts 16); ``verify_tokens``: tokens those verifies produced,
+  accepted drafts plus the bonus token, before any cut at EOS or a stop.
+- ``mean_tokens_per_verify`` = ``verify_tokens / seq_verifies``: the mean
+  acceptance length. It counts the bonus token (the model's own token after
+  the last accepted draft), so plain decoding scores exactly 1.0 at any batch
+  size. ``generated_tokens`` also counts each request's first token, which its
+  prefill samples.
 - MTP ``proposed_by_position[i]``/``accepted_by_position[i]``: drafts at chain
   depth ``i + 1`` that were verified / accepted. A draft is only counted at
   depth ``i + 1`` when it was proposed at all.
@@ -16,7 +21,11 @@ Definitions:
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from metrale.lookup import LookupStats
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,8 @@ class EngineStats:
     shared_proposed: int = 0
     shared_accepted: int = 0
     window_histogram: dict[int, int] = field(default_factory=dict)
+    seq_verifies: int = 0
+    verify_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -50,7 +61,7 @@ class EngineStats:
     @property
     def mean_tokens_per_verify(self) -> float:
         """Counts the bonus token: 1.0 means no draft was ever accepted."""
-        return self.generated_tokens / self.verifies if self.verifies else 0.0
+        return self.verify_tokens / self.seq_verifies if self.seq_verifies else 0.0
 
     @property
     def mtp_proposed(self) -> int:
@@ -59,3 +70,62 @@ class EngineStats:
     @property
     def mtp_accepted(self) -> int:
         return sum(self.mtp_accepted_by_position)
+
+
+@dataclass
+class RunCounters:
+    """The engine's live counters; only the engine's own thread touches them,
+    and other threads read the ``EngineStats`` snapshots they publish."""
+
+    requests_total: int = 0
+    requests_done: int = 0
+    requests_failed: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    verifies: int = 0
+    seq_verifies: int = 0
+    verify_tokens: int = 0
+    prefills: int = 0
+    mtp_proposed_by_position: list[int] = field(default_factory=list)
+    mtp_accepted_by_position: list[int] = field(default_factory=list)
+
+    def count_mtp(self, proposed: int, accepted: int) -> None:
+        """One verified MTP chain of ``proposed`` drafts, ``accepted`` of them kept."""
+        while len(self.mtp_proposed_by_position) < proposed:
+            self.mtp_proposed_by_position.append(0)
+            self.mtp_accepted_by_position.append(0)
+        for depth in range(proposed):
+            self.mtp_proposed_by_position[depth] += 1
+            self.mtp_accepted_by_position[depth] += depth < accepted
+
+    def snapshot(
+        self,
+        running: int,
+        waiting: int,
+        copies: LookupStats,
+        windows: Iterable[int],
+        wall_s: float,
+    ) -> EngineStats:
+        return EngineStats(
+            requests_total=self.requests_total,
+            requests_done=self.requests_done,
+            requests_failed=self.requests_failed,
+            running=running,
+            waiting=waiting,
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            verifies=self.verifies,
+            prefills=self.prefills,
+            wall_s=wall_s,
+            mtp_proposed_by_position=tuple(self.mtp_proposed_by_position),
+            mtp_accepted_by_position=tuple(self.mtp_accepted_by_position),
+            copies=copies.copies,
+            copy_proposed=copies.proposed,
+            copy_accepted=copies.accepted,
+            shared_copies=copies.shared_copies,
+            shared_proposed=copies.shared_proposed,
+            shared_accepted=copies.shared_accepted,
+            window_histogram=dict(Counter(windows)),
+            seq_verifies=self.seq_verifies,
+            verify_tokens=self.verify_tokens,
+        )

@@ -1,0 +1,153 @@
+"""Prompt-lookup copies inside the step: take them before the verify, settle
+them after.
+
+Owner: the scheduler, which calls ``take_rounds_with_copies`` between the
+admit and verify phases and ``settle_copies`` right after the verify.
+
+Invariants:
+- A copy replaces ``pending_drafts`` only for a grammarless sequence that
+  holds drafts, or for any grammarless sequence when no MTP chain is drafted
+  (a model without MTP layers: chain 0, plain prompt-lookup decoding).
+- A copy is never longer than ``--prompt-lookup-max-drafts``, the slot's draft
+  capacity, nor, in a batch of two or more, 3 tokens (a batched verify takes at
+  most 4 rows per sequence).
+- Every copy marked in flight by ``take_rounds_with_copies`` is settled by
+  ``settle_copies`` in the same step, so no mark outlives its verify.
+- While a copy is in flight the MTP drafter is told that none of its drafts
+  were accepted (``drafter_accepted``): the verified tokens were not the ones
+  it drafted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from metrale.engine.sequence import SeqState
+from metrale.lookup import (
+    Fallback,
+    LookupStats,
+    PromptLookupConfig,
+    PromptLookupSeq,
+    ScopeKey,
+    SharedLookup,
+)
+
+# Drafts in the widest copy a batched verify takes (4 rows per sequence).
+BATCHED_COPY_MAX = 3
+
+
+@dataclass(frozen=True)
+class CopyTaken:
+    """A sequence that verifies a copy this step, and its ``seq_len`` before."""
+
+    seq: SeqState
+    len_before: int
+
+
+def copy_in_flight(seq: SeqState) -> int:
+    """Length of the copy ``seq`` verifies this step; 0 when its drafts are the MTP's."""
+    return seq.prompt_lookup.in_flight if seq.prompt_lookup is not None else 0
+
+
+def drafter_accepted(seq: SeqState, accepted: int) -> int:
+    """What the MTP drafter is told was accepted of its own drafts: ``accepted``,
+    or 0 when the verified drafts were a copy."""
+    return 0 if copy_in_flight(seq) > 0 else accepted
+
+
+def bucket_copy(copy: list[int]) -> list[int]:
+    """Cuts a copy of 4 or more tokens to the largest power of two that fits,
+    so long verifies come in few widths (on a GPU each width is a captured
+    graph). Shorter copies are kept whole: ``[1..7] -> [1..4]``, ``[1..3]`` stays."""
+    if len(copy) >= 4:
+        return copy[: 1 << (len(copy).bit_length() - 1)]
+    return copy
+
+
+def take_rounds_with_copies(
+    seqs: Sequence[SeqState],
+    cfg: PromptLookupConfig | None,
+    shared: SharedLookup | None,
+    ladder_nd: int,
+    mtp_drafting: bool,
+) -> list[CopyTaken]:
+    """For each of ``seqs`` (the sequences this step verifies) proposes a copy
+    and, when it is at least as long as the drafter's chain this step
+    (``min(pending drafts, ladder_nd)``), makes it the sequence's drafts. A
+    shorter copy would verify fewer tokens than the chain it displaces, so it
+    is dropped, and the window is never asked for less than that chain.
+    ``mtp_drafting`` is False when no MTP chain is drafted (no MTP layers, or
+    the drafter is off): every sequence is then eligible with chain 0.
+
+    A no-op when prompt lookup is off or more sequences run than
+    ``cfg.max_seqs``.
+    """
+    if cfg is None or len(seqs) > cfg.max_seqs:
+        return []
+    # A lone sequence verifies a copy of any length in one pass; in a batch a
+    # copy is cut to the 4-row verify.
+    path_cap = cfg.max_drafts if len(seqs) == 1 else BATCHED_COPY_MAX
+    took: list[CopyTaken] = []
+    for seq in seqs:
+        if seq.grammar is not None or (mtp_drafting and not seq.pending_drafts):
+            continue
+        chain = min(len(seq.pending_drafts), ladder_nd)
+        slot_cap = min(cfg.max_drafts, seq.draft_capacity(), path_cap)
+        if slot_cap < max(chain, 1):
+            continue
+        if seq.prompt_lookup is None:
+            seq.prompt_lookup = PromptLookupSeq(cfg)
+        lookup = seq.prompt_lookup
+        cap = min(slot_cap, max(lookup.window, chain))
+        # With no own match, the finished requests of this scope may supply one.
+        fallback = _scope_fallback(shared, seq.scope)
+        copy = lookup.propose_with(seq.history, cap, fallback)
+        if copy is None:
+            continue
+        copy = bucket_copy(copy)
+        if len(copy) < chain:
+            lookup.abandon()
+            continue
+        lookup.cut_in_flight(len(copy))
+        seq.set_drafts(copy, None)
+        took.append(CopyTaken(seq, seq.seq_len))
+    return took
+
+
+def _scope_fallback(shared: SharedLookup | None, scope: ScopeKey | None) -> Fallback | None:
+    if shared is None or scope is None:
+        return None
+
+    def propose(history: Sequence[int], max_len: int) -> list[int] | None:
+        return shared.propose(scope, history, max_len)
+
+    return propose
+
+
+def settle_copies(
+    took: Sequence[CopyTaken], shared: SharedLookup | None, counters: LookupStats
+) -> None:
+    """Settles the copies ``take_rounds_with_copies`` put in flight. A verify
+    advances ``seq_len`` by the accepted drafts plus one, so the accepted count
+    is read from that advance; a sequence that did not advance settles as a miss.
+    """
+    for taken in took:
+        seq, lookup = taken.seq, taken.seq.prompt_lookup
+        if lookup is None:
+            continue
+        accepted = max(seq.seq_len - taken.len_before - 1, 0)
+        was_shared = lookup.in_flight_shared
+        proposed = lookup.settle(accepted)
+        accepted = min(accepted, proposed)
+        counters.record(proposed, accepted, was_shared)
+        stats = seq.stats
+        stats.copies += 1
+        stats.copy_proposed += proposed
+        stats.copy_accepted += accepted
+        if was_shared:
+            if shared is not None:
+                shared.record(proposed, accepted)
+            stats.shared_copies += 1
+            stats.shared_proposed += proposed
+            stats.shared_accepted += accepted

@@ -1,0 +1,116 @@
+"""The MTP drafter: feeds verified positions to an MTP module and chains drafts.
+
+Contract: the module keeps its own KV cache in the same slots as the main
+model. At position ``p`` it takes the main model's pre-norm hidden ``h_p`` and
+token ``p+1`` and predicts token ``p+2``. For a decoding sequence with
+``seq_len == L`` (tokens ``0..L-1`` in the main cache, ``last_token`` is
+token ``L``) the module's cache holds positions ``0..L-1``, fed from the main
+model's hidden states; position ``L-1`` (with ``last_token``) gives the first
+draft, and each further draft feeds the module its own output hidden and its
+own previous draft at the next position (a chain).
+
+Positions the chain wrote (``L, L+1, ..``) are never kept: they were computed
+from the module's own hidden states, not from ``h``. After a verify that
+advanced the sequence from ``L`` to ``L'``, the scheduler feeds positions
+``L..L'-1`` again from the verify's hidden rows, overwriting the chain's. This
+is the seed's "trimmed as if none were accepted" in every case, which keeps
+the module on the inputs it was trained on; whether the verified drafts were
+the drafter's own only decides which figures count them (see copies.py).
+
+With several MTP modules only the first is driven, applied repeatedly: every
+public layout ships one, and chaining one module needs one cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from metrale.engine.model import MtpModule, Segment
+from metrale.engine.sampling import draw, target_probs
+from metrale.engine.sequence import SeqState
+
+
+@dataclass(frozen=True)
+class DraftFeed:
+    """Positions ``start..start+len(next_ids)`` of ``seq``'s slot to feed, with
+    the tokens that follow each (so ``next_ids[-1]`` is the sequence's
+    ``last_token`` when the feed reaches ``seq_len``), then ``num_drafts``
+    drafts to chain from the last one (0: feed only)."""
+
+    seq: SeqState
+    start: int
+    next_ids: Sequence[int]
+    num_drafts: int
+
+
+class MtpDrafter:
+    def __init__(self, module: MtpModule) -> None:
+        self.module = module
+
+    @property
+    def max_len(self) -> int:
+        return self.module.max_len
+
+    def feed_and_draft(
+        self,
+        feeds: Sequence[DraftFeed],
+        hidden: torch.Tensor,  # [sum of len(next_ids), hidden_size] main pre-norm hidden, feed order
+    ) -> None:
+        """Feeds every ``feed`` in one module forward, then chains; sets the
+        drafts (and, for sampled requests, their distributions) of each feed's
+        sequence that asked for drafts, and clears them for the others."""
+        if not feeds:
+            return
+        segments = [Segment(f.seq.slot, f.start, list(f.next_ids)) for f in feeds]
+        out = self.module.forward(segments, hidden, logits="last")
+        # out.logits: [num_feeds, vocab]; out.hidden: [num_tokens, hidden_size]
+        ends = torch.tensor([len(f.next_ids) for f in feeds]).cumsum(0) - 1  # [num_feeds]
+        drafts: list[list[int]] = [[] for _ in feeds]
+        probs: list[list[torch.Tensor]] = [[] for _ in feeds]
+        live = [i for i, f in enumerate(feeds) if f.num_drafts > 0]
+        index = torch.tensor(live, dtype=torch.long)
+        logits = out.logits[index.to(out.logits.device)]  # [num_live, vocab]
+        chain_hidden = out.hidden[ends[index].to(out.hidden.device)]  # [num_live, hidden_size]
+        depth = 0
+        while live:
+            for k, i in enumerate(live):
+                token, q = _draft_one(feeds[i].seq, logits[k])
+                drafts[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+            depth += 1
+            keep = [k for k, i in enumerate(live) if feeds[i].num_drafts > depth]
+            if not keep:
+                break
+            live = [live[k] for k in keep]
+            # The chain's next position: the last fed one plus the drafts so far.
+            segments = [
+                Segment(
+                    feeds[i].seq.slot,
+                    feeds[i].start + len(feeds[i].next_ids) - 1 + depth,
+                    [drafts[i][-1]],
+                )
+                for i in live
+            ]
+            chain_hidden = chain_hidden[torch.tensor(keep, device=chain_hidden.device)]
+            out = self.module.forward(segments, chain_hidden, logits="last")
+            logits, chain_hidden = out.logits, out.hidden  # [num_live, vocab], [num_live, hidden]
+        for i, feed in enumerate(feeds):
+            feed.seq.set_drafts(drafts[i], torch.stack(probs[i]) if probs[i] else None)
+
+
+def _draft_one(
+    seq: SeqState,
+    logits: torch.Tensor,  # [vocab]
+) -> tuple[int, torch.Tensor | None]:
+    """A greedy draft is the argmax; a sampled request draws its draft from the
+    module's distribution shaped like the target (and keeps it as ``q``)."""
+    params = seq.request.params
+    if params.greedy:
+        return int(logits.argmax()), None
+    assert seq.generator is not None, "a sampled request carries its generator"
+    q = target_probs(logits[None, :], params)[0]  # [vocab]
+    return draw(q, seq.generator), q

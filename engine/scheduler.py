@@ -1,0 +1,372 @@
+"""The batch engine: continuous batching over fixed KV slots, one verify per step.
+
+Contract: ``Engine.generate`` takes requests lazily (it pulls a request only
+when a slot is about to be free, so an endless stream works) and yields each
+``Result`` as soon as it finishes, in completion order. A request that cannot
+be generated (empty prompt, prompt + ``max_tokens`` beyond the slot length)
+comes back at once as a ``finish_reason == "error"`` result; nothing a request
+holds stops the run.
+
+Each step runs the phases of the design in order: admit/prefill, copies,
+verify, settle, draft, finish. All decoding sequences share one verify forward
+per step; prefill runs in chunks of at most ``prefill_chunk`` tokens per step
+in a forward of its own, so running sequences keep decoding while a long
+prompt is read. Output never depends on the drafts: greedy output is plain
+decoding token for token, sampled output is plain sampling in distribution.
+
+``Engine.stats`` returns an immutable snapshot the step publishes; any thread
+may read it at any time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from metrale.engine.api import Request, Result
+from metrale.engine.config import EngineConfig
+from metrale.engine.copies import (
+    copy_in_flight,
+    drafter_accepted,
+    settle_copies,
+    take_rounds_with_copies,
+)
+from metrale.engine.model import Model, MtpModule, Segment
+from metrale.engine.mtp_drafter import DraftFeed, MtpDrafter
+from metrale.engine.sampling import draw, make_generator, target_probs
+from metrale.engine.sequence import Decode, SeqState, error_result
+from metrale.engine.stats import EngineStats, RunCounters
+from metrale.engine.verify import accept_greedy, accept_sampled
+from metrale.lookup import LookupStats, ScopeKey, SharedLookup, SharedLookupConfig
+
+if TYPE_CHECKING:
+    from metrale.engine.loader import LoadedModel
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Model,
+        tokenizer: Any,
+        config: EngineConfig,
+        *,
+        mtp: Sequence[MtpModule] = (),
+        eos_token_ids: Sequence[int] = (),
+        model_name: str = "",
+        tokenizer_name: str = "",
+        adapter: str = "",
+    ) -> None:
+        """``tokenizer`` only turns output ids into text and matches stop
+        strings: an object with ``decode(ids)``, a ``decode`` callable, or None
+        (texts are then empty). ``model_name``/``tokenizer_name``/``adapter``
+        are the shared-lookup scope fields a request's ``scope`` completes."""
+        self.model = model
+        self.config = config
+        self._decode = _as_decode(tokenizer)
+        self._drafter = MtpDrafter(mtp[0]) if mtp and config.mtp else None
+        self._eos = frozenset(eos_token_ids)
+        self._scope_fields = (model_name, tokenizer_name, adapter)
+        self._shared = _shared_lookup(config)
+        self._num_slots = min(model.num_slots, config.max_batch)
+        self._max_len = model.max_len
+        if self._drafter is not None:
+            assert self._drafter.module.num_slots >= self._num_slots, "MTP slots < model slots"
+            self._max_len = min(self._max_len, self._drafter.max_len)
+        self._free_slots = list(range(self._num_slots - 1, -1, -1))
+        self._waiting: deque[Request] = deque()
+        self._prefilling: list[SeqState] = []
+        self._decoding: list[SeqState] = []
+        self._counters = RunCounters()
+        self._copies = LookupStats()
+        self._started = time.perf_counter()
+        self._snapshot = EngineStats()
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, config: EngineConfig) -> Engine:
+        tokenizer_name = getattr(loaded.tokenizer, "name_or_path", "") or loaded.name
+        return cls(
+            loaded.model,
+            loaded.tokenizer,
+            config,
+            mtp=loaded.mtp,
+            eos_token_ids=loaded.eos_token_ids,
+            model_name=loaded.name,
+            tokenizer_name=str(tokenizer_name),
+        )
+
+    # -- public API ---------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """The latest snapshot (published once per step), with the wall time now."""
+        snap = self._snapshot
+        return dataclasses.replace(snap, wall_s=time.perf_counter() - self._started)
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        stream = iter(requests)
+        exhausted = False
+        self._started = time.perf_counter()
+        while True:
+            # Pull only what the free slots can take this step, so a huge
+            # stream is read as it is consumed.
+            while not exhausted and len(self._waiting) < len(self._free_slots):
+                request = next(stream, None)
+                if request is None:
+                    exhausted = True
+                    break
+                self._counters.requests_total += 1
+                problem = self._rejection(request)
+                if problem is not None:
+                    self._counters.requests_failed += 1
+                    self._publish()
+                    yield error_result(request, problem)
+                    continue
+                self._waiting.append(request)
+            if not (self._waiting or self._prefilling or self._decoding):
+                if exhausted:
+                    self._publish()
+                    return
+                continue
+            yield from self._step()
+
+    # -- the step -----------------------------------------------------------
+
+    def _step(self) -> list[Result]:
+        # 1. Admit waiting requests into free slots; prefill one chunk.
+        self._admit()
+        done = self._prefill_chunk()
+        batch = [s for s in self._decoding if not s.finished]
+        if batch:
+            ladder_nd = self._ladder_nd(len(batch))
+            for seq in batch:  # the batch may have grown since these were drafted
+                _truncate_drafts(seq, min(ladder_nd, seq.draft_capacity()))
+            # 2. Copies: prompt lookup may replace the drafts of some sequences.
+            mtp_drafting = self._drafter is not None and ladder_nd > 0
+            took = take_rounds_with_copies(
+                batch, self.config.prompt_lookup, self._shared, ladder_nd, mtp_drafting
+            )
+            # 3. Verify every sequence's [last_token] + drafts in one forward.
+            starts = [s.seq_len for s in batch]
+            hidden, first_rows = self._verify(batch)
+            # 4. Settle the copies from each sequence's seq_len advance.
+            settle_copies(took, self._shared, self._copies)
+            # 5. Draft the next chain from the newly verified positions.
+            self._draft_after_verify(batch, starts, first_rows, hidden)
+        # 6. Finish: free slots, store in the shared cache, hand back results.
+        results = self._finish(done + [s for s in self._decoding if s.finished])
+        self._publish()
+        return results
+
+    def _admit(self) -> None:
+        while self._free_slots and self._waiting:
+            request = self._waiting.popleft()
+            params = request.params
+            self._prefilling.append(
+                SeqState(
+                    request=request,
+                    slot=self._free_slots.pop(),
+                    max_len=self._max_len,
+                    eos_ids=self._eos | frozenset(params.eos_token_ids),
+                    scope=self._scope_key(request),
+                    generator=None if params.greedy else make_generator(params.seed),
+                )
+            )
+            self._counters.prompt_tokens += len(request.prompt_ids)
+
+    def _prefill_chunk(self) -> list[SeqState]:
+        """Feeds up to ``prefill_chunk`` prompt tokens, oldest request first. A
+        sequence whose prompt is complete samples its first token and starts
+        decoding; returned are those that finished right there."""
+        budget, segments, chunked = self.config.prefill_chunk, [], []
+        for seq in self._prefilling:
+            if budget == 0:
+                break
+            take = min(budget, seq.prompt_len - seq.seq_len)
+            segments.append(Segment(seq.slot, seq.seq_len, seq.history[seq.seq_len :][:take]))
+            chunked.append(seq)
+            budget -= take
+        if not segments:
+            return []
+        out = self.model.forward(segments, logits="last")
+        # out.logits: [num_segments, vocab]; out.hidden: [num_tokens, hidden_size]
+        self._counters.prefills += 1
+        feeds: list[DraftFeed] = []
+        rows: list[int] = []
+        done: list[SeqState] = []
+        at = 0
+        for row, (seq, seg) in enumerate(zip(chunked, segments, strict=True)):
+            start, fed = seq.seq_len, len(seg.token_ids)
+            seq.seq_len += fed
+            complete = seq.seq_len == seq.prompt_len
+            if complete:
+                self._prefilling.remove(seq)
+                seq.emit([self._sample_one(seq, out.logits[row])], self._decode)
+                self._counters.generated_tokens += 1
+                (done if seq.finished else self._decoding).append(seq)
+            if self._drafter is not None and not seq.finished:
+                # Position p gets token p+1: the next prompt token, or the
+                # sampled first token at the prompt's last position.
+                next_ids = seq.history[start + 1 : seq.seq_len + 1]
+                num_drafts = self._chain_len(seq, len(self._decoding)) if complete else 0
+                feeds.append(DraftFeed(seq, start, next_ids, num_drafts))
+                rows.extend(range(at, at + fed))
+            at += fed
+        if self._drafter is not None and feeds:
+            index = torch.tensor(rows, dtype=torch.long, device=out.hidden.device)
+            self._drafter.feed_and_draft(feeds, out.hidden[index])
+        return done
+
+    def _verify(self, batch: list[SeqState]) -> tuple[torch.Tensor, list[int]]:
+        """One forward over every sequence's ``[last_token] + drafts``; emits
+        the accepted drafts and the bonus token and advances ``seq_len`` by
+        their count. Returns the forward's hidden rows and each sequence's
+        first row among them."""
+        segments = [Segment(s.slot, s.seq_len, [s.last_token, *s.pending_drafts]) for s in batch]
+        out = self.model.forward(segments, logits="all")
+        # out.logits: [num_rows, vocab]; out.hidden: [num_rows, hidden_size]
+        argmax = out.logits.argmax(dim=-1).tolist()  # [num_rows]
+        counters, first_rows, row = self._counters, [], 0
+        counters.verifies += 1
+        for seq in batch:
+            drafts, num_rows = seq.pending_drafts, len(seq.pending_drafts) + 1
+            if seq.request.params.greedy:
+                accepted, bonus = accept_greedy(drafts, argmax[row : row + num_rows])
+            else:
+                assert seq.generator is not None
+                target = target_probs(out.logits[row : row + num_rows], seq.request.params)
+                accepted, bonus = accept_sampled(drafts, seq.pending_probs, target, seq.generator)
+            first_rows.append(row)
+            row += num_rows
+            # The MTP drafter's figures count only its own drafts: with a copy
+            # in flight it is told nothing of them was accepted.
+            if drafts and copy_in_flight(seq) == 0:
+                own = drafter_accepted(seq, accepted)
+                counters.count_mtp(len(drafts), own)
+                seq.stats.mtp_proposed += len(drafts)
+                seq.stats.mtp_accepted += own
+            before = len(seq.history)
+            seq.emit([*drafts[:accepted], bonus], self._decode)
+            seq.seq_len += accepted + 1
+            seq.set_drafts([], None)
+            seq.stats.verifies += 1
+            seq.stats.verify_tokens += accepted + 1
+            counters.seq_verifies += 1
+            counters.verify_tokens += accepted + 1
+            counters.generated_tokens += len(seq.history) - before
+        return out.hidden, first_rows
+
+    def _draft_after_verify(
+        self,
+        batch: list[SeqState],
+        starts: list[int],
+        first_rows: list[int],
+        hidden: torch.Tensor,  # [num_rows, hidden_size] of the verify
+    ) -> None:
+        """Feeds the MTP module every position the verify made final (rows
+        ``0..accepted`` of each sequence: ``h`` of ``last_token`` and of each
+        accepted draft, with the token after each) and chains the next drafts.
+        The chain's own entries are rewritten whatever was accepted, which is
+        the seed's trim to 0 accepted (see mtp_drafter.py)."""
+        if self._drafter is None:
+            return
+        running = sum(1 for s in self._decoding if not s.finished)
+        feeds: list[DraftFeed] = []
+        rows: list[int] = []
+        for seq, start, first in zip(batch, starts, first_rows, strict=True):
+            if seq.finished:
+                continue
+            next_ids = seq.history[start + 1 : seq.seq_len + 1]
+            feeds.append(DraftFeed(seq, start, next_ids, self._chain_len(seq, running)))
+            rows.extend(range(first, first + seq.seq_len - start))
+        if feeds:
+            index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+            self._drafter.feed_and_draft(feeds, hidden[index])
+
+    def _finish(self, finished: list[SeqState]) -> list[Result]:
+        results = []
+        for seq in finished:
+            if seq in self._decoding:
+                self._decoding.remove(seq)
+            self._free_slots.append(seq.slot)
+            if self._shared is not None and seq.scope is not None:
+                self._shared.insert(seq.scope, seq.history)
+            self._counters.requests_done += 1
+            results.append(seq.result(self._decode))
+        return results
+
+    # -- helpers ------------------------------------------------------------
+
+    def _rejection(self, request: Request) -> str | None:
+        prompt_len, max_tokens = len(request.prompt_ids), request.params.max_tokens
+        if prompt_len == 0:
+            return "empty prompt: a request needs at least one prompt token"
+        if prompt_len + max_tokens > self._max_len:
+            return (
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"model's {self._max_len} positions per sequence; shorten the prompt, "
+                f"lower max_tokens or raise the context length"
+            )
+        return None
+
+    def _scope_key(self, request: Request) -> ScopeKey | None:
+        if self._shared is None or request.scope is None:
+            return None
+        model, tokenizer, adapter = self._scope_fields
+        return ScopeKey(model=model, tokenizer=tokenizer, adapter=adapter, tenant=request.scope)
+
+    def _ladder_nd(self, running: int) -> int:
+        return self.config.mtp_ladder.drafts_for(running) if self._drafter is not None else 0
+
+    def _chain_len(self, seq: SeqState, running: int) -> int:
+        return min(self._ladder_nd(max(running, 1)), seq.draft_capacity())
+
+    def _sample_one(self, seq: SeqState, logits: torch.Tensor) -> int:  # logits: [vocab]
+        if seq.request.params.greedy:
+            return int(logits.argmax())
+        assert seq.generator is not None
+        return draw(target_probs(logits[None, :], seq.request.params)[0], seq.generator)
+
+    def _publish(self) -> None:
+        running = self._prefilling + self._decoding
+        self._snapshot = self._counters.snapshot(
+            running=len(running),
+            waiting=len(self._waiting),
+            copies=self._copies,
+            windows=[s.prompt_lookup.window for s in running if s.prompt_lookup is not None],
+            wall_s=time.perf_counter() - self._started,
+        )
+
+
+def _truncate_drafts(seq: SeqState, keep: int) -> None:
+    if len(seq.pending_drafts) > keep:
+        probs = seq.pending_probs[:keep] if seq.pending_probs is not None else None
+        seq.set_drafts(seq.pending_drafts[:keep], probs if keep else None)
+
+
+def _as_decode(tokenizer: Any) -> Decode | None:
+    if tokenizer is None:
+        return None
+    decode = getattr(tokenizer, "decode", None)
+    if decode is not None:
+        return lambda ids: str(decode(list(ids)))
+    if callable(tokenizer):
+        return tokenizer
+    raise TypeError("tokenizer must have a decode(ids) method or be a decode callable")
+
+
+def _shared_lookup(config: EngineConfig) -> SharedLookup | None:
+    settings, lookup = config.shared_lookup, config.prompt_lookup
+    if lookup is None or settings.cache_mb <= 0:
+        return None
+    return SharedLookup(
+        SharedLookupConfig(
+            cache_mb=settings.cache_mb,
+            scopes=settings.scopes,
+            ngram=lookup.ngram,
+            min_match=lookup.min_match,
+        )
+    )

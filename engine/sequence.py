@@ -1,0 +1,158 @@
+"""One running request: its slot, its tokens and its drafts.
+
+Contract (owned by the scheduler, one ``SeqState`` per admitted request):
+
+- ``history`` is prompt + every emitted token. While prefilling, the first
+  ``seq_len`` prompt tokens are in the slot's KV cache. Once decoding,
+  ``len(history) == seq_len + 1``: every token but the last is in the cache,
+  and ``last_token == history[seq_len]`` is the sampled token the next verify
+  feeds first. The prompt-lookup history ``tokens + [last_token]`` of the seed
+  is therefore just ``history``.
+- ``pending_drafts`` are the drafts the next verify checks after
+  ``last_token``; ``pending_probs`` their distributions when the MTP drafter
+  sampled them (``None`` for greedy drafts and for copies, which are one-hot).
+- ``grammar`` is a grammar matcher's state; metrale has no grammars yet, so it
+  is always ``None`` in a run, but the copy rules already honour it.
+- A sequence never emits past ``max_tokens``, and never feeds a position at
+  or beyond ``max_len``: ``draft_capacity`` bounds every verify by both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from metrale.engine.api import FinishReason, Request, RequestStats, Result
+from metrale.lookup import PromptLookupSeq, ScopeKey
+
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclass(eq=False)
+class SeqState:
+    request: Request
+    slot: int
+    max_len: int  # positions of the slot (the smaller of the model's and the drafter's)
+    eos_ids: frozenset[int]
+    scope: ScopeKey | None  # the shared-lookup scope; None: neither read nor stored
+    generator: torch.Generator | None  # None for greedy requests
+    history: list[int] = field(default_factory=list)
+    seq_len: int = 0
+    pending_drafts: list[int] = field(default_factory=list)
+    pending_probs: torch.Tensor | None = None  # [len(pending_drafts), vocab]
+    grammar: object | None = None
+    prompt_lookup: PromptLookupSeq | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    finish_reason: FinishReason | None = None
+    stop_text: str | None = None  # the text cut before a stop string, once one was hit
+
+    def __post_init__(self) -> None:
+        if not self.history:
+            self.history = list(self.request.prompt_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def decoding(self) -> bool:
+        """Prefill is over and a first token was sampled."""
+        return len(self.history) > self.prompt_len
+
+    @property
+    def last_token(self) -> int:
+        assert len(self.history) == self.seq_len + 1, "only a decoding sequence has a last token"
+        return self.history[self.seq_len]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.history[self.prompt_len :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def draft_capacity(self) -> int:
+        """Drafts the next verify may hold: it feeds ``1 + drafts`` tokens from
+        ``seq_len`` and emits up to ``1 + drafts`` tokens."""
+        left_in_slot = self.max_len - self.seq_len - 1
+        left_to_emit = self.request.params.max_tokens - len(self.output_ids) - 1
+        return max(0, min(left_in_slot, left_to_emit))
+
+    def set_drafts(self, drafts: list[int], probs: torch.Tensor | None) -> None:
+        self.pending_drafts, self.pending_probs = drafts, probs
+
+    def emit(self, token_ids: Sequence[int], decode: Decode | None) -> None:
+        """Appends sampled tokens, stopping at the first EOS, at ``max_tokens``
+        or at the first token whose text completes a stop string; tokens after
+        that stop are dropped. ``seq_len`` is the caller's to move."""
+        assert not self.finished, "a finished sequence emits nothing"
+        max_tokens = self.request.params.max_tokens
+        first_new = len(self.history)
+        for token in token_ids:
+            self.history.append(token)
+            if token in self.eos_ids:
+                self.finish_reason = "stop"
+                break
+            if len(self.output_ids) >= max_tokens:
+                self.finish_reason = "length"
+                break
+        stops = self.request.params.stop
+        if stops and decode is not None:
+            self._cut_at_stop(stops, decode, first_new)
+
+    def _cut_at_stop(self, stops: Sequence[str], decode: Decode, first_new: int) -> None:
+        # One decode per call tells whether any stop string appeared; only then
+        # is the earliest token that completes it searched for, token by token,
+        # so the cut does not depend on how many tokens a verify emitted.
+        if _find_stop(decode(self._text_ids()), stops) is None:
+            return
+        for end in range(max(first_new, self.prompt_len) + 1, len(self.history) + 1):
+            text = decode(self._text_ids(end))
+            cut = _find_stop(text, stops)
+            if cut is not None:
+                del self.history[end:]
+                self.finish_reason, self.stop_text = "stop", text[:cut]
+                return
+
+    def _text_ids(self, end: int | None = None) -> list[int]:
+        ids = self.history[self.prompt_len : end]
+        if ids and ids[-1] in self.eos_ids:
+            ids = ids[:-1]
+        return ids
+
+    def result(self, decode: Decode | None) -> Result:
+        """The finished request; the text stops before an EOS and a stop string."""
+        assert self.finish_reason is not None, "only a finished sequence has a result"
+        text = self.stop_text
+        if text is None:
+            text = decode(self._text_ids()) if decode is not None else ""
+        return Result(
+            request_id=self.request.request_id,
+            prompt_tokens=self.prompt_len,
+            output_ids=tuple(self.output_ids),
+            text=text,
+            finish_reason=self.finish_reason,
+            stats=self.stats,
+        )
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where the earliest stop string starts in ``text``; None when none does."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+def error_result(request: Request, message: str) -> Result:
+    """A request that could not be generated; the run goes on."""
+    return Result(
+        request_id=request.request_id,
+        prompt_tokens=len(request.prompt_ids),
+        output_ids=(),
+        text="",
+        finish_reason="error",
+        stats=RequestStats(),
+        error=message,
+    )
