@@ -137,6 +137,8 @@ def parse_line(
     try:
         if "custom_id" in obj or "body" in obj:
             output_id = obj.get("custom_id")
+            # A batch line's error is a batch record even when its url is bad.
+            fmt = BATCH_URLS.get(str(obj.get("url")), "chat")
             fmt = _batch_format(obj)
             return _parse_body(ref, fmt, output_id, obj, defaults)
         return _parse_simple(ref, output_id, obj, defaults)
@@ -186,7 +188,7 @@ def _batch_format(obj: dict[str, Any]) -> LineFormat:
     if obj.get("method", "POST") != "POST":
         raise LineFault("method", "must be POST")
     url = obj.get("url")
-    if url not in BATCH_URLS:
+    if not isinstance(url, str) or url not in BATCH_URLS:
         raise LineFault("url", f"must be one of {', '.join(BATCH_URLS)}, got {url!r}")
     if not isinstance(obj.get("body"), dict):
         raise LineFault("body", "must be a JSON object")

@@ -113,12 +113,19 @@ def speculation_table(stats: EngineStats) -> Table:
         table.add_row(f"MTP draft {i + 1}", "", str(p), str(a), _rate(a, p))
     if not stats.mtp_proposed_by_position:
         table.add_row("MTP drafts", "", "0", "0", "-")
-    table.caption = (
+    return table
+
+
+def verify_line(stats: EngineStats) -> str:
+    return (
         f"{stats.verifies} verifies, {stats.mean_tokens_per_verify:.2f} mean tokens/verify "
         "(counts the bonus token: 1.00 = no draft accepted)"
     )
-    table.caption_justify = "left"
-    return table
+
+
+def final_view(stats: EngineStats) -> RenderableType:
+    """The table and the mean acceptance length under it."""
+    return Group(speculation_table(stats), Text(verify_line(stats)))
 
 
 def render(stats: EngineStats, counters: RunCounters) -> RenderableType:
@@ -126,18 +133,22 @@ def render(stats: EngineStats, counters: RunCounters) -> RenderableType:
     bar = ProgressBar(total=counters.total, completed=counters.done, width=40)
     head = Table.grid(padding=(0, 1))
     head.add_row(bar, Text(headline(stats, counters)))
-    return Group(head, speculation_table(stats))
+    return Group(head, final_view(stats))
 
 
 @contextmanager
 def live_view(
-    console: Console, stats: StatsSource, counters: RunCounters, mode: str
+    console: Console,
+    stats: StatsSource,
+    counters: RunCounters,
+    mode: str,
+    interval_s: float = PLAIN_INTERVAL_S,
 ) -> Iterator[None]:
     """Shows progress while the body runs; prints the final table on exit
     (also when the body raises, so Ctrl-C shows what finished).
 
     ``mode``: ``"live"`` (Rich live region), ``"plain"`` (a summary line every
-    ``PLAIN_INTERVAL_S``), ``"off"`` (final table only).
+    ``interval_s``), ``"off"`` (final table only).
     """
     if mode == "live":
         live = Live(
@@ -154,7 +165,10 @@ def live_view(
     ticker = None
     if mode == "plain":
         ticker = threading.Thread(
-            target=_tick, args=(console, stats, counters, stop), daemon=True, name="metrale-plain"
+            target=_tick,
+            args=(console, stats, counters, stop, interval_s),
+            daemon=True,
+            name="metrale-plain",
         )
         ticker.start()
     try:
@@ -165,11 +179,15 @@ def live_view(
             ticker.join()
         final = stats()
         console.print(summary_line(final, counters))
-        console.print(speculation_table(final))
+        console.print(final_view(final))
 
 
 def _tick(
-    console: Console, stats: StatsSource, counters: RunCounters, stop: threading.Event
+    console: Console,
+    stats: StatsSource,
+    counters: RunCounters,
+    stop: threading.Event,
+    interval_s: float,
 ) -> None:
-    while not stop.wait(PLAIN_INTERVAL_S):
+    while not stop.wait(interval_s):
         console.print(summary_line(stats(), counters))

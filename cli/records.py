@@ -47,7 +47,7 @@ def result_record(parsed: ParsedLine, result: Result, model_name: str) -> dict[s
             "text": result.text,
             "finish_reason": result.finish_reason,
             "usage": usage,
-            "speculation": speculation(result.stats, result.completion_tokens),
+            "speculation": speculation(result.stats),
         }
         if parsed.metadata is not None:
             record["metadata"] = parsed.metadata
@@ -101,14 +101,14 @@ def error_record(err: LineError) -> dict[str, Any]:
     )
 
 
-def speculation(stats: RequestStats, completion_tokens: int) -> dict[str, Any]:
+def speculation(stats: RequestStats) -> dict[str, Any]:
     """Per-request figures. ``mean_tokens_per_verify`` counts the bonus token
-    (plain decoding scores 1.0)."""
+    (plain decoding scores 1.0); the first output token comes from the
+    prefill and is in neither ``verifies`` nor ``verify_tokens``."""
     return {
         "verifies": stats.verifies,
-        "mean_tokens_per_verify": round(completion_tokens / stats.verifies, 3)
-        if stats.verifies
-        else 0.0,
+        "verify_tokens": stats.verify_tokens,
+        "mean_tokens_per_verify": round(stats.mean_tokens_per_verify, 3),
         "mtp": {"proposed": stats.mtp_proposed, "accepted": stats.mtp_accepted},
         "prompt_lookup": {
             "copies": stats.copies,

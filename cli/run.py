@@ -211,6 +211,8 @@ def run_figures(
         "prompt_tokens": stats.prompt_tokens,
         "generated_tokens": stats.generated_tokens,
         "verifies": stats.verifies,
+        "seq_verifies": stats.seq_verifies,
+        "verify_tokens": stats.verify_tokens,
         "prefills": stats.prefills,
         "mean_tokens_per_verify": stats.mean_tokens_per_verify,
         "wall_s": wall_s,

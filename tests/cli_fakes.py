@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metrale.cli.run import Backend
-from metrale.engine.api import Request, RequestStats, Result
+from metrale.engine.api import FinishReason, Request, RequestStats, Result
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.stats import EngineStats
 
@@ -71,6 +71,7 @@ class FakeEngine:
         out = () if failing else tuple(reversed(request.prompt_ids))[: request.params.max_tokens]
         stats = RequestStats(
             verifies=max(1, len(out) // 2),
+            verify_tokens=len(out),
             copies=1,
             copy_proposed=4,
             copy_accepted=len(out) // 2,
@@ -84,6 +85,8 @@ class FakeEngine:
                 generated_tokens=s.generated_tokens + len(out),
                 prompt_tokens=s.prompt_tokens + len(prompt),
                 verifies=s.verifies + stats.verifies,
+                seq_verifies=s.seq_verifies + stats.verifies,
+                verify_tokens=s.verify_tokens + stats.verify_tokens,
                 wall_s=s.wall_s + 0.01,
                 copies=s.copies + 1,
                 copy_proposed=s.copy_proposed + 4,
@@ -93,7 +96,7 @@ class FakeEngine:
             )
         if failing:
             return Result(request.request_id, len(prompt), (), "", "error", stats, "out of memory")
-        finish = "length" if len(out) == request.params.max_tokens else "stop"
+        finish: FinishReason = "length" if len(out) == request.params.max_tokens else "stop"
         return Result(
             request.request_id,
             len(prompt),
