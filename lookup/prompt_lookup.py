@@ -16,6 +16,12 @@ from dataclasses import dataclass
 Fallback = Callable[[Sequence[int], int], list[int] | None]
 """``fallback(history, max_len)``: a second source of copies (the shared cache)."""
 
+# Bits per token in an n-gram's index key: the key packs the n tokens into one
+# int, exact for ids below 2**21 (every vocabulary in use); larger ids only
+# collide, and every hit is re-checked against the tokens anyway. Int keys
+# keep the index free of per-entry containers (no tuples for the GC to walk).
+_KEY_BITS = 21
+
 # A cooldown longer than this many doublings would never be reached below any
 # sane ``miss_backoff``; capping the exponent keeps the shift small.
 _MAX_MISS_EXPONENT = 30
@@ -82,8 +88,12 @@ class PromptLookupSeq:
         self._min_match = cfg.effective_min_match
         self._max_drafts = cfg.max_drafts
         self._miss_backoff = cfg.miss_backoff
-        self._index: dict[tuple[int, ...], int] = {}
+        self._key_mask = (1 << (_KEY_BITS * cfg.ngram)) - 1
+        self._index: dict[int, int] = {}  # n-gram key -> position after its latest occurrence
         self._indexed_upto = 0  # positions j < this have their n-gram indexed
+        # The key of the n-gram ending at `_indexed_upto`, carried between
+        # calls so an appended token costs one shift, not a re-read of n tokens.
+        self._tail_key: int | None = None
         self._window = min(2, cfg.max_drafts)
         self._misses = 0
         self._cooldown = 0  # proposal rounds left that propose nothing
@@ -178,11 +188,11 @@ class PromptLookupSeq:
         self._in_flight, self._in_flight_shared = 0, False
 
     def _own_copy(self, history: Sequence[int], max_len: int) -> list[int] | None:
-        self._index_new_tokens(history)
+        tail_key = self._index_new_tokens(history)
         n, m, end = self._ngram, self._min_match, len(history)
-        if end <= n:
+        if tail_key is None or end <= n:
             return None
-        after = self._index.get(tuple(history[end - n :]))
+        after = self._index.get(tail_key)
         # `after < end` rejects entries left behind by a rewind; the slice
         # comparison re-checks min_match tokens (which include the n-gram)
         # against the history as it is now.
@@ -192,14 +202,33 @@ class PromptLookupSeq:
             return None
         return list(history[after : after + max_len])
 
-    def _index_new_tokens(self, history: Sequence[int]) -> None:
+    def _key(self, history: Sequence[int], end: int) -> int:
+        """The index key of the n-gram ``history[end - ngram : end]``."""
+        key = 0
+        for token in history[end - self._ngram : end]:
+            key = (key << _KEY_BITS) | token
+        return key & self._key_mask
+
+    def _index_new_tokens(self, history: Sequence[int]) -> int | None:
+        """Indexes the tokens appended since the last call; returns the key of
+        the history's final n-gram (``None`` while it has fewer than n tokens)."""
         n, end = self._ngram, len(history)
-        # A rewind: positions past the end are no longer indexed; their stale
-        # entries stay and fail the re-check or the bound in `_own_copy`.
-        start = max(min(self._indexed_upto, end), n)
-        if start < end:
-            # The n-gram ending just before position j, for j in [start, end);
-            # later positions overwrite earlier ones, so the latest occurrence wins.
-            grams = zip(*(history[start - n + k : end - n + k] for k in range(n)), strict=True)
-            self._index.update(zip(grams, range(start, end), strict=True))
-        self._indexed_upto = end
+        if end < self._indexed_upto:
+            # A rewind: positions past the end are no longer indexed; their
+            # stale entries stay and fail the bound or the re-check on use.
+            self._indexed_upto, self._tail_key = end, None
+        if end < n:
+            self._indexed_upto = end
+            return None
+        start = max(self._indexed_upto, n)
+        key = self._tail_key
+        if key is None or start != self._indexed_upto:
+            key = self._key(history, start)
+        index, mask = self._index, self._key_mask
+        # Position j follows the n-gram ending just before it; a later j
+        # overwrites an earlier one, so the latest occurrence wins.
+        for j in range(start, end):
+            index[key] = j
+            key = ((key << _KEY_BITS) | history[j]) & mask
+        self._indexed_upto, self._tail_key = end, key
+        return key

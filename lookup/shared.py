@@ -119,7 +119,8 @@ class _ScopeStore:
         self.capacity = capacity
         self.ngram = ngram
         self.min_match = min_match
-        self.ring = array("i", bytes(_INT32_BYTES * capacity))  # [capacity] token ids
+        # Built by repetition: the size is then exact (`frombytes` over-allocates).
+        self.ring = array("i", [0]) * capacity  # [capacity] token ids
         self.slots = array("i", [-1]) * capacity  # [capacity] ring cell after an n-gram, -1 empty
         self.head = 0  # positions written so far
         self.seg_len = 0  # tokens written since the last boundary
@@ -270,6 +271,12 @@ class SharedLookup:
     def scopes(self) -> list[ScopeKey]:
         """Live scopes, least recently used first."""
         return list(self._scopes)
+
+    def stored(self, scope: ScopeKey) -> int:
+        """Ring positions ``scope`` has written since it was created (tokens
+        and request boundaries, evicted ones included); 0 for no such scope."""
+        store = self._scopes.get(scope)
+        return 0 if store is None else store.head
 
     def insert(self, scope: ScopeKey, tokens: Sequence[int]) -> None:
         """Stores a finished, error-free request's tokens (prompt + output)."""
