@@ -3,7 +3,9 @@
 Contract: ``FakeModel`` is an n-gram language model over a slot KV cache. The
 logits at position ``p`` are a fixed random function of the last ``context``
 tokens of the slot's cache up to ``p`` (seeded, so the same context always
-gives the same row), which makes plain decoding cheap to compute with
+gives the same row; with ``counting`` the argmax is the last token plus one,
+so a history that counts up is continued the way its copies predict), which
+makes plain decoding cheap to compute with
 ``reference_greedy`` and exact distributions easy to enumerate. The cache is
 real: a forward writes its segments' tokens at their positions and reads
 positions ``[0, p]``, so an engine that feeds the wrong positions or forgets a
@@ -47,6 +49,7 @@ class FakeModel:
     context: int = 2
     seed: int = 0
     scale: float = 3.0  # logit spread: larger makes the argmax more peaked
+    counting: bool = False  # the argmax is always (last token + 1) % vocab
     forwards: list[list[Segment]] = field(default_factory=list)
     _rows: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
@@ -68,6 +71,8 @@ class FakeModel:
         if row is None:
             gen = torch.Generator().manual_seed(_context_seed(key, self.seed))
             row = torch.randn(self.vocab, generator=gen) * self.scale
+            if self.counting and key:
+                row[(key[-1] + 1) % self.vocab] = float(row.max()) + 1.0
             self._rows[key] = row
         return row
 
