@@ -66,7 +66,8 @@ def open_backend(model: str | None, runtime: RuntimeConfig, engine: EngineConfig
         name=loaded.name,
         tokenizer=loaded.tokenizer,
         eos_token_ids=tuple(loaded.eos_token_ids),
-        max_len=loaded.model.max_len,
+        # The engine serves the shorter of the model's and its drafter's slots.
+        max_len=min([loaded.model.max_len] + [m.max_len for m in loaded.mtp if engine.mtp]),
         generate=eng.generate,
         stats=eng.stats,
     )

@@ -148,8 +148,9 @@ def parse_line(
 
 def encode(parsed: ParsedLine, tokenizer: Tokenizer, max_len: int) -> Request | LineError:
     """Tokenizes a parsed line into a Request whose id is the line number
-    (unique within the run, unlike user ids). A prompt that leaves no room to
-    generate one token within ``max_len`` is an error naming its field."""
+    (unique within the run, unlike user ids). A prompt that leaves no room for
+    ``max_tokens`` within ``max_len`` positions is an error naming its field
+    (the engine would refuse it; here the record can say which line and field)."""
     name = "prompt" if parsed.prompt is not None else "messages"
     try:
         if parsed.prompt is not None:
@@ -163,8 +164,11 @@ def encode(parsed: ParsedLine, tokenizer: Tokenizer, max_len: int) -> Request | 
         return _error(parsed, name, f"cannot tokenize: {exc}")
     if not ids:
         return _error(parsed, name, "encodes to no tokens")
-    if len(ids) >= max_len:
-        msg = f"too long: {len(ids)} tokens, the model holds {max_len} (prompt + output)"
+    if len(ids) + parsed.params.max_tokens > max_len:
+        msg = (
+            f"too long: {len(ids)} prompt tokens + max_tokens {parsed.params.max_tokens} "
+            f"exceed the model's {max_len} positions; shorten it or lower max_tokens"
+        )
         return _error(parsed, name, msg)
     return Request(str(parsed.ref.number), tuple(ids), parsed.params, parsed.scope)
 

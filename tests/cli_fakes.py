@@ -111,7 +111,7 @@ class FakeEngine:
 class FakeOpener:
     """Stands in for ``open_backend``; remembers what it was asked for."""
 
-    max_len: int = 64
+    max_len: int = 1024
     calls: list[tuple[str | None, RuntimeConfig, EngineConfig]] = field(default_factory=list)
     engine: FakeEngine = field(default_factory=FakeEngine)
 

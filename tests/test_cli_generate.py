@@ -96,7 +96,7 @@ def test_bad_lines_become_error_records_and_the_rest_is_generated(
         "not json\n"
         '{"id": "np", "max_tokens": 3}\n'
         '{"id": "bt", "prompt": "x", "temperature": -1}\n'
-        '{"id": "long", "prompt": "' + "y" * 100 + '"}\n'
+        '{"id": "long", "prompt": "' + "y" * 1021 + '"}\n'
         "\n"
         '{"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"n": 2, "prompt": "q"}}\n'
         '{"id": "last", "prompt": "end"}\n'

@@ -175,10 +175,10 @@ def test_messages_go_through_the_models_chat_template(tmp_path: Path) -> None:
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_a_prompt_that_leaves_no_room_to_generate_is_too_long() -> None:
-    line = ok({"prompt": "abcd"})
-    assert isinstance(encode(line, ByteTokenizer(), max_len=5), Request)
-    err = encode(line, ByteTokenizer(), max_len=4)
+def test_a_prompt_that_leaves_no_room_for_max_tokens_is_too_long() -> None:
+    line = ok({"prompt": "abcd", "max_tokens": 3})
+    assert isinstance(encode(line, ByteTokenizer(), max_len=7), Request)
+    err = encode(line, ByteTokenizer(), max_len=6)
     assert isinstance(err, LineError) and err.field == "prompt" and "too long" in err.message
 
 
