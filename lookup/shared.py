@@ -64,7 +64,7 @@ class SharedLookupConfig:
     min_match: int = 8
 
     def __post_init__(self) -> None:
-        if not self.cache_mb > 0:
+        if not 0 < self.cache_mb < float("inf"):
             raise ValueError(
                 f"--prompt-lookup-shared-cache-mb must be above 0 for a shared cache, "
                 f"got {self.cache_mb}"
