@@ -10,10 +10,12 @@ a scope beyond ``scopes`` drops the least recently used one whole.
 Within a scope:
 - tokens are written to a ring, oldest evicted first; a boundary marker ends
   every stored request, so a copy never crosses into the next request;
-- the index maps an n-gram's hash to the ring position just after its latest
-  write; a hit is re-checked token by token (hash collisions, evicted or
-  overwritten tokens), over ``min_match`` tokens that must all lie in the same
-  stored request;
+- the index maps an n-gram's hash to two candidate cells (a 2-way set whose
+  older entry a write replaces) holding the ring position just after the
+  n-gram; a lookup takes the newest entry that re-checks token by token
+  (against hash collisions, evicted or overwritten tokens) over ``min_match``
+  tokens that must all lie in the same stored request, so the latest write of
+  an n-gram wins;
 - a run that the scope already predicts (``DEDUP_RUN`` predicted tokens in a
   row, e.g. a re-sent conversation prefix) is not stored again until the
   prediction breaks, so re-sending costs (almost) no space.
