@@ -1,0 +1,262 @@
+"""The batch engine on a fake model: parity, batching, finishing and figures."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from metrale.engine.api import Request, Result, SamplingParams
+from metrale.engine.config import EngineConfig, MtpLadder
+from metrale.engine.scheduler import Engine
+from metrale.engine.stats import EngineStats
+from metrale.lookup import PromptLookupConfig
+from tests.fake_model import FakeModel, FakeMtp, byte_decode, reference_greedy
+
+# Mixed lengths; some repeat themselves so prompt lookup finds copies.
+PROMPTS = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3],
+    [5],
+    [3, 3, 7, 0, 12, 4, 9, 2, 2, 8, 11, 6],
+    [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 9, 8, 7, 6, 5, 4, 3, 2],
+    [14, 2],
+    [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4],
+    [6, 1, 15, 10],
+    [2, 13, 0, 7, 7, 1, 2, 13, 0, 7, 7, 1, 2, 13],
+]
+LOOKUP = PromptLookupConfig(ngram=2, min_match=3, max_drafts=8)
+MODES = {
+    "off": (False, None),
+    "mtp": (True, None),
+    "lookup": (False, LOOKUP),
+    "both": (True, LOOKUP),
+}
+
+
+def make_engine(
+    mode: str,
+    model: FakeModel | None = None,
+    mtp_mode: str = "mixed",
+    eos: tuple[int, ...] = (0,),
+    **config: object,
+) -> tuple[Engine, FakeModel]:
+    model = model or FakeModel(num_slots=8)
+    use_mtp, lookup = MODES[mode]
+    mtp = [FakeMtp(model, mtp_mode)] if use_mtp else []  # type: ignore[arg-type]
+    cfg = EngineConfig(prompt_lookup=lookup, **config)  # type: ignore[arg-type]
+    return Engine(model, byte_decode, cfg, mtp=mtp, eos_token_ids=eos), model
+
+
+def requests(
+    prompts: Sequence[Sequence[int]], max_tokens: int = 30, **params: object
+) -> list[Request]:
+    return [
+        Request(str(i), tuple(p), SamplingParams(max_tokens=max_tokens, **params))  # type: ignore[arg-type]
+        for i, p in enumerate(prompts)
+    ]
+
+
+def outputs(results: Sequence[Result]) -> dict[str, list[int]]:
+    return {r.request_id: list(r.output_ids) for r in results}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_greedy_output_is_plain_decoding_whatever_the_speculation(mode: str, batch: int) -> None:
+    engine, _ = make_engine(mode, max_batch=batch)
+    results = list(engine.generate(requests(PROMPTS)))
+    for r in results:
+        expected = reference_greedy(FakeModel(), PROMPTS[int(r.request_id)], 30, eos=(0,))
+        assert list(r.output_ids) == expected, (mode, batch, r.request_id)
+        assert r.finish_reason == ("stop" if expected[-1] == 0 else "length")
+    stats = engine.stats()
+    assert stats.requests_done == len(PROMPTS) and stats.running == stats.waiting == 0
+    if mode == "off":
+        assert stats.mean_tokens_per_verify == 1.0
+    else:
+        assert stats.mean_tokens_per_verify > 1.0
+
+
+def test_requests_that_cannot_fit_come_back_as_errors_at_once() -> None:
+    engine, _ = make_engine("both", FakeModel(num_slots=2, max_len=64))
+    stream = [
+        Request("ok", (1, 2, 3), SamplingParams(max_tokens=10)),
+        Request("empty", (), SamplingParams(max_tokens=10)),
+        Request("long", tuple(range(10)) * 6, SamplingParams(max_tokens=10)),
+        Request("ok2", (4, 5), SamplingParams(max_tokens=10)),
+    ]
+    results = list(engine.generate(stream))
+    by_id = {r.request_id: r for r in results}
+    assert [r.request_id for r in results[:2]] == ["empty", "long"]
+    assert by_id["empty"].finish_reason == "error" and "empty prompt" in str(by_id["empty"].error)
+    assert by_id["long"].finish_reason == "error" and "64 positions" in str(by_id["long"].error)
+    assert by_id["ok"].error is None and len(by_id["ok"].output_ids) > 0
+    assert by_id["ok2"].error is None
+    assert engine.stats().requests_failed == 2 and engine.stats().requests_total == 4
+
+
+def test_requests_are_pulled_lazily_and_results_yielded_as_they_finish() -> None:
+    pulled = 0
+
+    def stream() -> Iterator[Request]:
+        nonlocal pulled
+        for i in range(1000):
+            pulled += 1
+            yield Request(str(i), (i % 16, 3), SamplingParams(max_tokens=2 if i == 0 else 20))
+
+    engine, _ = make_engine("off", FakeModel(num_slots=4), eos=(), max_batch=4)
+    results = engine.generate(stream())
+    first = next(results)
+    assert first.request_id == "0"  # the shortest finishes first
+    assert pulled <= 4 + 1
+    remaining = [next(results) for _ in range(5)]
+    assert len(remaining) == 5 and pulled < 20
+
+
+def test_chunked_prefill_lets_running_sequences_keep_decoding() -> None:
+    model = FakeModel(num_slots=2, max_len=256)
+    engine, _ = make_engine("both", model, eos=(), prefill_chunk=8)
+    long_prompt = [(i * 7) % 16 for i in range(100)]
+    results = list(engine.generate(requests([[1, 2], long_prompt], max_tokens=20)))
+    assert outputs(results) == {
+        "0": reference_greedy(FakeModel(), [1, 2], 20),
+        "1": reference_greedy(FakeModel(), long_prompt, 20),
+    }
+    assert max(len(s.token_ids) for f in model.forwards for s in f) <= 8 + 1
+    # Slot 0 verified in the forwards between the chunks of slot 1's prompt.
+    prefill_done = next(
+        i
+        for i, f in enumerate(model.forwards)
+        if any(s.slot == 1 and s.start + len(s.token_ids) == 100 for s in f)
+    )
+    verifies = [f for f in model.forwards[:prefill_done] if f[0].slot == 0 and f[0].start >= 2]
+    assert len(verifies) >= 5
+
+
+def test_eos_and_stop_strings_end_a_request_the_same_way_with_any_speculation() -> None:
+    prompt = PROMPTS[0]
+    plain = reference_greedy(FakeModel(), prompt, 40)
+    text = byte_decode(plain)
+    stop = text[5:8]
+    cut = text.find(stop)
+    for mode in MODES:
+        engine, _ = make_engine(mode, eos=())
+        (result,) = engine.generate(
+            [Request("s", tuple(prompt), SamplingParams(max_tokens=40, stop=(stop, "zzz")))]
+        )
+        assert result.finish_reason == "stop" and result.text == text[:cut], mode
+        assert byte_decode(result.output_ids).startswith(text[: cut + len(stop)])
+        assert len(byte_decode(result.output_ids)) <= cut + len(stop)
+    eos = plain[3]
+    engine, _ = make_engine("both", eos=())
+    (result,) = engine.generate(
+        [Request("e", tuple(prompt), SamplingParams(max_tokens=40, eos_token_ids=(eos,)))]
+    )
+    first_eos = plain.index(eos)
+    assert list(result.output_ids) == plain[: first_eos + 1]
+    assert result.text == byte_decode(plain[:first_eos]) and result.finish_reason == "stop"
+
+
+def test_no_verify_emits_past_max_tokens() -> None:
+    for max_tokens in (1, 2, 3, 7):
+        engine, _ = make_engine("both", mtp_mode="right")
+        results = list(engine.generate(requests(PROMPTS, max_tokens=max_tokens)))
+        for r in results:
+            assert 1 <= len(r.output_ids) <= max_tokens
+            expected = reference_greedy(FakeModel(), PROMPTS[int(r.request_id)], max_tokens, (0,))
+            assert list(r.output_ids) == expected
+
+
+def test_mtp_chain_length_follows_the_ladder_by_batch_size() -> None:
+    ladder = MtpLadder(steps=((1, 4),), beyond=1)
+    model = FakeModel(num_slots=8)
+    engine, _ = make_engine("mtp", model, mtp_mode="right", mtp_ladder=ladder)
+    list(engine.generate(requests([PROMPTS[2]], max_tokens=25)))
+    widths = {len(s.token_ids) for f in model.forwards[1:] for s in f}
+    assert max(widths) == 1 + 4
+    model = FakeModel(num_slots=8)
+    engine, _ = make_engine("mtp", model, mtp_mode="right", mtp_ladder=ladder)
+    list(engine.generate(requests([PROMPTS[2], PROMPTS[6]], max_tokens=25)))
+    both_running = [f for f in model.forwards[1:] if len(f) == 2]
+    assert both_running and all(len(s.token_ids) == 2 for f in both_running for s in f)
+    stats = engine.stats()
+    assert stats.mtp_accepted == stats.mtp_proposed > 0
+
+
+def test_the_mtp_module_is_fed_every_verified_position_from_the_main_model() -> None:
+    model = FakeModel(num_slots=8)
+    mtp = FakeMtp(model, "mixed")
+    engine = Engine(model, None, EngineConfig(prompt_lookup=LOOKUP), mtp=[mtp])
+    results = outputs(list(engine.generate(requests(PROMPTS[:4], max_tokens=30))))
+    slot_of = {s.slot: s for s in model.forwards[0]}  # the first prefill admits all four
+    for slot, seg in slot_of.items():
+        prompt = list(seg.token_ids)
+        rid = str(PROMPTS.index(prompt))
+        history = prompt + results[rid]
+        last_start = max(s.start for f in model.forwards for s in f if s.slot == slot)
+        for pos in range(last_start):
+            context, token = mtp.fed[(slot, pos)]
+            assert (
+                context == tuple(history[max(0, pos - 1) : pos + 1]) and token == history[pos + 1]
+            )
+
+
+def test_the_stats_snapshot_can_be_read_from_another_thread_while_generating() -> None:
+    engine, _ = make_engine("both")
+    seen: list[EngineStats] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.append(engine.stats())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        results = list(engine.generate(requests(PROMPTS * 4, max_tokens=30)))
+    finally:
+        stop.set()
+        watcher.join()
+    assert len(results) == 32 and seen
+    done = [s.requests_done for s in seen]
+    assert done == sorted(done)
+    final = engine.stats()
+    assert final.generated_tokens == sum(len(r.output_ids) for r in results)
+    assert final.prompt_tokens == sum(len(p) for p in PROMPTS) * 4
+    with pytest.raises(AttributeError):
+        final.verifies = 0  # type: ignore[misc]
+
+
+def test_figures_add_up() -> None:
+    engine, _ = make_engine("both")
+    results = list(engine.generate(requests(PROMPTS, max_tokens=30)))
+    stats = engine.stats()
+    assert stats.seq_verifies == sum(r.stats.verifies for r in results)
+    assert stats.verify_tokens == sum(r.stats.verify_tokens for r in results)
+    assert stats.copies == sum(r.stats.copies for r in results) > 0
+    assert stats.mtp_proposed == sum(r.stats.mtp_proposed for r in results) > 0
+    assert stats.mtp_accepted == sum(r.stats.mtp_accepted for r in results)
+    accepted = stats.mtp_accepted + stats.copy_accepted
+    assert stats.verify_tokens == stats.seq_verifies + accepted
+    assert list(stats.mtp_accepted_by_position) == sorted(
+        stats.mtp_accepted_by_position, reverse=True
+    )
+
+
+@pytest.mark.parametrize("mode", ["off", "both"])
+def test_the_same_seed_gives_the_same_sample(mode: str) -> None:
+    def sample(prompts: Sequence[Sequence[int]], seed_of: int) -> list[int]:
+        engine, _ = make_engine(mode, FakeModel(num_slots=8, scale=1.0))
+        stream = [
+            Request(str(i), tuple(p), SamplingParams(max_tokens=20, temperature=1.0, seed=i))
+            for i, p in enumerate(prompts)
+        ]
+        return outputs(list(engine.generate(stream)))[str(seed_of)]
+
+    alone = sample(PROMPTS[:1], 0)
+    assert alone == sample(PROMPTS[:1], 0)
+    assert len({tuple(sample([PROMPTS[0]] * 3, i)) for i in range(3)}) > 1
+    if mode == "off":
+        # Without speculation a request's draws do not depend on its neighbours.
+        assert sample(PROMPTS, 0) == alone
