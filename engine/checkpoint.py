@@ -83,20 +83,31 @@ class Checkpoint:
 class WeightStore:
     """Names -> safetensors file; tensors are read on demand."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+
+    @classmethod
+    def open_folder(cls, folder: Path) -> WeightStore:
+        """``model.safetensors``, or the shards ``model.safetensors.index.json`` names."""
         index = folder / "model.safetensors.index.json"
         single = folder / "model.safetensors"
         if index.exists():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            self.files = {name: folder / file for name, file in weight_map.items()}
-        elif single.exists():
-            with safe_open(str(single), framework="pt") as handle:
-                self.files = dict.fromkeys(handle.keys(), single)
-        else:
-            raise CheckpointError(
-                f"{folder} has no model.safetensors or model.safetensors.index.json "
-                "(only safetensors weights are read)"
-            )
+            return cls({name: folder / file for name, file in weight_map.items()})
+        if single.exists():
+            return cls.open_file(single)
+        raise CheckpointError(
+            f"{folder} has no model.safetensors or model.safetensors.index.json "
+            "(only safetensors weights are read)"
+        )
+
+    @classmethod
+    def open_file(cls, file: Path) -> WeightStore:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                return cls(dict.fromkeys(handle.keys(), file))
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"cannot read {file}: {exc}") from exc
 
     def names(self) -> list[str]:
         return sorted(self.files)
@@ -125,7 +136,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
         )
     hf_config = _transformers_config(raw, FAMILIES[model_type])
     spec = _arch_spec(hf_config, model_type, FAMILIES[model_type])
-    return Checkpoint(path, spec, hf_config, raw, WeightStore(path))
+    return Checkpoint(path, spec, hf_config, raw, WeightStore.open_folder(path))
 
 
 def _transformers_config(raw: dict[str, Any], family: str) -> Any:

@@ -1,0 +1,42 @@
+"""Where the model runs and in which dtype.
+
+Contract: ``pick_device(None)`` is CUDA when available, else the CPU;
+``pick_dtype(None, device)`` is bfloat16 on CUDA and ``CPU_DEFAULT_DTYPE`` on
+the CPU. Explicit names are validated with a message listing the choices.
+
+Why float32 on the CPU: measured with ``make bench-runtime`` on the build
+machine (2 cores, AMD EPYC with AVX2 but no avx512_bf16), bfloat16 matmuls
+were slower than float32 at every row shape (the CPU has no native bf16 dot
+product, so oneDNN converts), and float32 keeps greedy parity with
+transformers' float32 forward exact enough to test token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CPU_DEFAULT_DTYPE = torch.float32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available here; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+    return device
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else CPU_DEFAULT_DTYPE
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

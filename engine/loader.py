@@ -1,0 +1,200 @@
+"""``load_model``: a checkpoint folder (or the embedded default) to a ready runtime.
+
+Contract: ``load_model(source, runtime)`` returns a ``LoadedModel`` whose
+``model`` owns a KV cache of ``runtime.num_slots`` slots of ``max_len``
+positions, plus its MTP modules (each with its own cache of the same shape),
+the tokenizer and the EOS ids. ``source=None`` is the embedded
+SmolLM2-135M-Instruct, paired with the head shipped at
+``engine/heads/smollm2-135m-instruct.{safetensors,json}`` when present.
+Nothing is fetched from a hub: a source that is not a folder is refused.
+
+``max_len``: ``runtime.max_len``, else the model's context length; capped so
+that main + MTP caches of all slots fit ``runtime.kv_budget_mb`` when set.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from metrale.engine.checkpoint import ArchSpec, Checkpoint, CheckpointError, read_checkpoint
+from metrale.engine.config import RuntimeConfig
+from metrale.engine.default_model import MODEL_NAME, ensure_default_model
+from metrale.engine.device import dtype_name, pick_device, pick_dtype
+from metrale.engine.llama import LlamaModel
+from metrale.engine.model import Model, MtpModule
+from metrale.engine.mtp import MtpFound, detect_mtp, load_checkpoint_mtp
+from metrale.engine.mtp_head import head_paths, load_mtp_head
+
+HEADS_DIR = Path(__file__).parent / "heads"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What ``metrale info`` shows. ``mtp_layout`` is ``None`` when no MTP
+    module was loaded; ``kv_bytes_per_token`` counts the main model and its
+    MTP modules, per slot position."""
+
+    name: str
+    architecture: str
+    parameters: int
+    dtype: str
+    device: str
+    context_len: int
+    max_len: int
+    num_slots: int
+    mtp_layout: str | None
+    mtp_count: int
+    kv_bytes_per_token: int
+    load_s: float
+
+
+@dataclass
+class LoadedModel:
+    model: Model
+    mtp: list[MtpModule]
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    eos_token_ids: tuple[int, ...]
+    info: ModelInfo
+    name: str
+
+
+def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel:
+    started = time.perf_counter()
+    if source is None:
+        folder, name = ensure_default_model(), MODEL_NAME
+        head: Path | None = HEADS_DIR / MODEL_NAME
+    else:
+        folder, head = Path(source).expanduser(), None
+        if not folder.is_dir():
+            raise CheckpointError(
+                f"model {source!r} is not a checkpoint folder (metrale never downloads "
+                "weights: pass a local folder with config.json and *.safetensors)"
+            )
+        name = folder.resolve().name
+    checkpoint = read_checkpoint(folder)
+    device = pick_device(runtime.device)
+    dtype = pick_dtype(runtime.dtype, device)
+    found = detect_mtp(
+        checkpoint.raw_config, checkpoint.weights.names(), checkpoint.spec.num_layers
+    )
+    if head is not None and found is None and head_paths(head)[0].exists():
+        found = MtpFound("head", 1)
+    if not runtime.mtp:
+        found = None
+    max_len = choose_max_len(checkpoint.spec, runtime, dtype, 1 + (found.count if found else 0))
+    model = LlamaModel(
+        checkpoint.spec,
+        checkpoint.hf_config,
+        checkpoint.weights,
+        num_slots=runtime.num_slots,
+        max_len=max_len,
+        dtype=dtype,
+        device=device,
+    )
+    mtp = _load_mtp(model, checkpoint, found, head)
+    tokenizer = _tokenizer(folder)
+    info = ModelInfo(
+        name=name,
+        architecture=checkpoint.spec.model_type,
+        parameters=count_parameters(model) + sum(count_parameters(m) for m in mtp),
+        dtype=dtype_name(dtype),
+        device=str(device),
+        context_len=checkpoint.spec.context_len,
+        max_len=max_len,
+        num_slots=runtime.num_slots,
+        mtp_layout=found.layout if found else None,
+        mtp_count=len(mtp),
+        kv_bytes_per_token=model.kv_bytes_per_token + sum(m.kv_bytes_per_token for m in mtp),
+        load_s=time.perf_counter() - started,
+    )
+    eos = eos_token_ids(folder, checkpoint.raw_config, tokenizer)
+    return LoadedModel(model, list(mtp), tokenizer, eos, info, name)
+
+
+def _load_mtp(
+    model: LlamaModel, checkpoint: Checkpoint, found: MtpFound | None, head: Path | None
+) -> list[Any]:
+    if found is None:
+        return []
+    if found.layout == "head":
+        assert head is not None
+        return [load_mtp_head(head, model)]
+    return list(load_checkpoint_mtp(model, checkpoint.weights, found))
+
+
+def choose_max_len(
+    spec: ArchSpec, runtime: RuntimeConfig, dtype: torch.dtype, num_stacks: int
+) -> int:
+    """Positions per slot (see module doc). ``num_stacks`` counts caches that
+    hold every position: the main model's and one per MTP module."""
+    max_len = runtime.max_len or spec.context_len
+    if max_len > spec.context_len:
+        raise CheckpointError(
+            f"max_len {max_len} exceeds the model's context length {spec.context_len}"
+        )
+    if runtime.kv_budget_mb is not None:
+        layers = spec.num_layers + (num_stacks - 1)
+        per_position = 2 * layers * spec.kv_size * dtype.itemsize * runtime.num_slots
+        fits = int(runtime.kv_budget_mb * 2**20) // per_position
+        if fits < 2:
+            raise CheckpointError(
+                f"a KV budget of {runtime.kv_budget_mb} MB holds {fits} positions for "
+                f"{runtime.num_slots} slots; raise the budget or lower --max-batch"
+            )
+        max_len = min(max_len, fits)
+    return max_len
+
+
+def count_parameters(module: Any) -> int:
+    """Distinct weight elements a runtime object holds (tied tensors once)."""
+    seen: dict[int, int] = {}
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            seen[id(value)] = value.numel()
+        elif isinstance(value, list | tuple):
+            for item in value:
+                visit(item)
+        elif hasattr(value, "__dataclass_fields__"):
+            for field_name in value.__dataclass_fields__:
+                visit(getattr(value, field_name))
+
+    if isinstance(module, LlamaModel):
+        visit(module.head)
+        visit(module.stack.blocks)
+    else:
+        visit(getattr(module, "weights", None))
+    return sum(seen.values())
+
+
+def _tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:
+        raise CheckpointError(f"cannot load the tokenizer in {folder}: {exc}") from exc
+
+
+def eos_token_ids(folder: Path, raw_config: dict[str, Any], tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, config.json and the tokenizer, in that
+    order, without repeats."""
+    found: list[int] = []
+
+    def add(value: Any) -> None:
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None and int(item) not in found:
+                found.append(int(item))
+
+    generation = folder / "generation_config.json"
+    if generation.exists():
+        add(json.loads(generation.read_text()).get("eos_token_id"))
+    add(raw_config.get("eos_token_id"))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(found)

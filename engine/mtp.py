@@ -1,0 +1,185 @@
+"""MTP modules: detection in a checkpoint, and the forward every layout shares.
+
+Contract: one MTP module at position ``p`` takes the main model's pre-norm
+hidden state ``h_p`` and the id of token ``p+1`` and predicts token ``p+2``:
+
+    x      = proj(cat[norm_e(embed(t_{p+1})), norm_h(h_p)])   # DeepSeek, Qwen3-Next
+    x      = proj(cat[norm_h(h_p), norm_e(embed(t_{p+1}))])   # MiMo: the reverse order
+    y      = decoder_block(x)        # the main model's block type, own KV cache
+    logits = lm_head(final_norm(y))  # embedding and LM head shared with the model
+
+``y`` (pre-norm) is returned as the module's hidden state, so feeding it back
+with the module's own draft gives a chain. The block writes its own slot KV
+cache at positions ``p``, so the cache must hold every accepted position.
+
+Layouts (key prefixes and the config fields that announce them):
+- ``deepseek`` (DeepSeek-V3/R1, GLM-4.5): ``model.layers.{num_hidden_layers + i}.``
+  ``enorm, hnorm, eh_proj, shared_head.norm`` (+ optional ``shared_head.head``);
+  ``num_nextn_predict_layers``.
+- ``mimo`` (Xiaomi MiMo): ``model.mtp_layers.{i}.token_layernorm,
+  hidden_layernorm, input_proj, final_layernorm``; ``num_nextn_predict_layers``.
+- ``qwen3_next``: ``mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden,
+  mtp.layers.0, mtp.norm``; every norm zero-centred (scale = weight + 1);
+  ``mtp_num_hidden_layers`` / ``num_nextn_predict_layers``.
+- ``head``: a standalone head file (``mtp_head.py``), DeepSeek's structure.
+Blocks that are MoE are refused by ``load_block``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from metrale.engine.checkpoint import WeightStore
+from metrale.engine.kv_cache import SlotKVCache, plan_rows
+from metrale.engine.llama import BlockWeights, DecoderStack, LlamaModel, load_block, rms_norm
+from metrale.engine.model import ForwardOutput, LogitRows, Segment
+
+LAYOUTS = ("deepseek", "mimo", "qwen3_next", "head")
+_COUNT_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules")
+
+
+@dataclass(frozen=True)
+class MtpFound:
+    """What a checkpoint ships: ``layout`` and how many modules."""
+
+    layout: str
+    count: int
+
+
+def detect_mtp(
+    raw_config: dict[str, Any], names: Sequence[str], num_layers: int
+) -> MtpFound | None:
+    """Finds MTP weights by their key names; the config's count field, when
+    present, bounds how many modules are taken. ``None`` when no weights exist
+    (many conversions strip them even when the config still announces them)."""
+    declared = next((int(raw_config[f]) for f in _COUNT_FIELDS if raw_config.get(f)), None)
+    keys = set(names)
+
+    def count(prefix_of: Any, probe: str) -> int:
+        n = 0
+        while f"{prefix_of(n)}{probe}" in keys:
+            n += 1
+        return n if declared is None else min(n, declared)
+
+    found = [
+        ("deepseek", count(lambda i: f"model.layers.{num_layers + i}.", "eh_proj.weight")),
+        ("mimo", count(lambda i: f"model.mtp_layers.{i}.", "input_proj.weight")),
+        ("qwen3_next", 1 if "mtp.fc.weight" in keys else 0),
+    ]
+    for layout, n in found:
+        if n > 0:
+            return MtpFound(layout, n)
+    return None
+
+
+@dataclass
+class MtpWeights:
+    """The parts around the block; ``lm_head`` is the main model's unless the
+    checkpoint ships its own (DeepSeek's ``shared_head.head``)."""
+
+    token_norm: torch.Tensor  # [hidden]
+    hidden_norm: torch.Tensor  # [hidden]
+    proj: torch.Tensor  # [hidden, 2 * hidden]
+    final_norm: torch.Tensor  # [hidden]
+    hidden_first: bool  # MiMo concatenates [hidden, embedding]
+    block: BlockWeights
+    lm_head: torch.Tensor | None = None  # [vocab, hidden]
+
+
+class MtpLayer:
+    """``MtpModule`` over one set of ``MtpWeights`` (see module doc)."""
+
+    def __init__(self, model: LlamaModel, weights: MtpWeights) -> None:
+        spec = model.spec
+        self.model = model
+        self.weights = weights
+        cache = SlotKVCache(
+            1,
+            model.num_slots,
+            spec.num_kv_heads,
+            model.max_len,
+            spec.head_dim,
+            model.dtype,
+            model.device,
+        )
+        self.stack = DecoderStack(spec, [weights.block], cache)
+        self.lm_head = weights.lm_head if weights.lm_head is not None else model.head.lm_head
+
+    @property
+    def num_slots(self) -> int:
+        return self.model.num_slots
+
+    @property
+    def max_len(self) -> int:
+        return self.model.max_len
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.stack.cache.bytes_per_token
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        segments: Sequence[Segment],
+        hidden: torch.Tensor,  # [num_tokens, hidden_size], rows in segment order
+        logits: LogitRows = "all",
+    ) -> ForwardOutput:
+        model, w, eps = self.model, self.weights, self.model.spec.rms_norm_eps
+        plan = plan_rows(
+            segments, model.num_slots, model.max_len, model.device, model.spec.sliding_window
+        )
+        assert hidden.shape[0] == plan.num_tokens, "one hidden row per segment token"
+        emb = rms_norm(F.embedding(plan.token_ids, model.head.embed), w.token_norm, eps)
+        hid = rms_norm(hidden.to(model.dtype), w.hidden_norm, eps)
+        both = torch.cat(
+            [hid, emb] if w.hidden_first else [emb, hid], dim=-1
+        )  # [num_tokens, 2 * hidden]
+        y = self.stack.run(F.linear(both, w.proj), plan, model.rope)  # [num_tokens, hidden]
+        rows = y if logits == "all" else y.index_select(0, plan.last_rows)
+        out = F.linear(rms_norm(rows, w.final_norm, eps), self.lm_head).float()
+        return ForwardOutput(logits=out, hidden=y)
+
+
+def load_checkpoint_mtp(model: LlamaModel, store: WeightStore, found: MtpFound) -> list[MtpLayer]:
+    """Builds the modules a checkpoint ships in one of the public layouts."""
+    return [
+        MtpLayer(model, _read_layout(model, store, found.layout, i)) for i in range(found.count)
+    ]
+
+
+def _read_layout(model: LlamaModel, store: WeightStore, layout: str, index: int) -> MtpWeights:
+    spec, dtype, device = model.spec, model.dtype, model.device
+    offset = 1.0 if layout == "qwen3_next" else 0.0
+
+    def get(name: str, norm: bool = False) -> torch.Tensor:
+        value = store.get(name).float()
+        return (value + offset if norm else value).to(device=device, dtype=dtype)
+
+    if layout == "deepseek":
+        p = f"model.layers.{spec.num_layers + index}."
+        names = ("enorm", "hnorm", "eh_proj", "shared_head.norm", False)
+    elif layout == "mimo":
+        p = f"model.mtp_layers.{index}."
+        names = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm", True)
+    elif layout == "qwen3_next":
+        p = "mtp."
+        names = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm", False)
+    else:
+        raise ValueError(f"unknown MTP layout {layout!r}; expected one of {LAYOUTS}")
+    token_norm, hidden_norm, proj, final_norm, hidden_first = names
+    block_prefix = "mtp.layers.0." if layout == "qwen3_next" else p
+    own_head = f"{p}shared_head.head.weight"
+    return MtpWeights(
+        token_norm=get(f"{p}{token_norm}.weight", norm=True),
+        hidden_norm=get(f"{p}{hidden_norm}.weight", norm=True),
+        proj=get(f"{p}{proj}.weight"),
+        final_norm=get(f"{p}{final_norm}.weight", norm=True),
+        hidden_first=bool(hidden_first),
+        block=load_block(store, block_prefix, spec, dtype, device, norm_offset=offset),
+        lm_head=get(own_head) if layout == "deepseek" and own_head in store else None,
+    )

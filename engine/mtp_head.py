@@ -1,0 +1,149 @@
+"""Standalone MTP heads: a ``<name>.safetensors`` + ``<name>.json`` pair.
+
+Contract: a head has DeepSeek's structure (see ``mtp.py``):
+``eh_proj(cat[enorm(embed(t_{p+1})), hnorm(h_p)])``, one decoder block of the
+base model's own architecture, a final ``norm``; the embedding and LM head are
+the base model's. Tensor names in the safetensors file:
+
+    enorm.weight, hnorm.weight, eh_proj.weight, norm.weight,
+    block.<the HF decoder-layer names: input_layernorm.weight, self_attn.q_proj.weight, ...>
+
+The JSON card names the format and what the head fits:
+``{"format": "metrale-mtp-head", "version": 1, "layout": "deepseek",
+"base_model": ..., "family": ..., "hidden_size": ..., "vocab_size": ...,
+"fields": {free-form training facts}}``. Loading checks the card against the
+model and refuses a head built for another shape with a message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from metrale.engine.checkpoint import ArchSpec, CheckpointError, WeightStore
+from metrale.engine.llama import LlamaModel, load_block
+from metrale.engine.mtp import MtpLayer, MtpWeights
+
+HEAD_FORMAT = "metrale-mtp-head"
+HEAD_VERSION = 1
+
+
+def head_paths(path: Path) -> tuple[Path, Path]:
+    """``(weights, card)`` for a stem, either file of the pair, or a folder
+    holding exactly one pair."""
+    if path.is_dir():
+        found = sorted(path.glob("*.safetensors"))
+        if len(found) != 1:
+            raise CheckpointError(f"{path} should hold exactly one <name>.safetensors MTP head")
+        path = found[0]
+    stem = path.with_suffix("") if path.suffix in (".safetensors", ".json") else path
+    return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+
+
+def head_tensor_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor a head for ``spec`` holds, with its shape (for writers and trainers)."""
+    hidden, inter = spec.hidden_size, spec.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "enorm.weight": (hidden,),
+        "hnorm.weight": (hidden,),
+        "eh_proj.weight": (hidden, 2 * hidden),
+        "norm.weight": (hidden,),
+        "block.input_layernorm.weight": (hidden,),
+        "block.post_attention_layernorm.weight": (hidden,),
+        "block.self_attn.q_proj.weight": (spec.q_size, hidden),
+        "block.self_attn.k_proj.weight": (spec.kv_size, hidden),
+        "block.self_attn.v_proj.weight": (spec.kv_size, hidden),
+        "block.self_attn.o_proj.weight": (hidden, spec.q_size),
+        "block.mlp.gate_proj.weight": (inter, hidden),
+        "block.mlp.up_proj.weight": (inter, hidden),
+        "block.mlp.down_proj.weight": (hidden, inter),
+    }
+    if spec.qkv_bias:
+        shapes["block.self_attn.q_proj.bias"] = (spec.q_size,)
+        shapes["block.self_attn.k_proj.bias"] = (spec.kv_size,)
+        shapes["block.self_attn.v_proj.bias"] = (spec.kv_size,)
+    if spec.qk_norm:
+        shapes["block.self_attn.q_norm.weight"] = (spec.head_dim,)
+        shapes["block.self_attn.k_norm.weight"] = (spec.head_dim,)
+    return shapes
+
+
+def save_mtp_head(
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    spec: ArchSpec,
+    *,
+    base_model: str,
+    fields: Mapping[str, Any] | None = None,
+) -> tuple[Path, Path]:
+    """Writes the pair for ``path`` (a stem or either file name); returns both paths."""
+    expected = head_tensor_shapes(spec)
+    if set(tensors) != set(expected):
+        missing, extra = set(expected) - set(tensors), set(tensors) - set(expected)
+        raise ValueError(
+            f"MTP head tensors differ: missing {sorted(missing)}, extra {sorted(extra)}"
+        )
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(tensors[name].shape)}, expected {shape}")
+    weights_file, card_file = head_paths(path)
+    weights_file.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(weights_file))
+    card = {
+        "format": HEAD_FORMAT,
+        "version": HEAD_VERSION,
+        "layout": "deepseek",
+        "base_model": base_model,
+        "family": spec.family,
+        "hidden_size": spec.hidden_size,
+        "vocab_size": spec.vocab_size,
+        "fields": dict(fields or {}),
+    }
+    card_file.write_text(json.dumps(card, indent=2) + "\n")
+    return weights_file, card_file
+
+
+def read_card(path: Path) -> dict[str, Any]:
+    _, card_file = head_paths(path)
+    if not card_file.exists():
+        raise CheckpointError(f"MTP head card {card_file} is missing")
+    card: dict[str, Any] = json.loads(card_file.read_text())
+    if card.get("format") != HEAD_FORMAT or card.get("version") != HEAD_VERSION:
+        raise CheckpointError(f"{card_file} is not a {HEAD_FORMAT} v{HEAD_VERSION} card")
+    return card
+
+
+def load_mtp_head(path: Path, model: LlamaModel) -> MtpLayer:
+    """The head at ``path`` as an ``MtpModule`` sharing ``model``'s embedding and LM head."""
+    weights_file = head_paths(path)[0]
+    card = read_card(path)
+    spec = model.spec
+    for key, want in (
+        ("family", spec.family),
+        ("hidden_size", spec.hidden_size),
+        ("vocab_size", spec.vocab_size),
+    ):
+        if card.get(key) != want:
+            raise CheckpointError(
+                f"MTP head {weights_file.name} was built for {key}={card.get(key)}, "
+                f"this model has {want} (base model of the head: {card.get('base_model')})"
+            )
+    store = WeightStore.open_file(weights_file)
+
+    def get(name: str) -> torch.Tensor:
+        return store.get(name).to(device=model.device, dtype=model.dtype)
+
+    weights = MtpWeights(
+        token_norm=get("enorm.weight"),
+        hidden_norm=get("hnorm.weight"),
+        proj=get("eh_proj.weight"),
+        final_norm=get("norm.weight"),
+        hidden_first=False,
+        block=load_block(store, "block.", spec, model.dtype, model.device),
+    )
+    return MtpLayer(model, weights)
