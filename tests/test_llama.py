@@ -1,0 +1,176 @@
+"""The Llama-family runtime against transformers' own classes, and against itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from metrale.engine.checkpoint import CheckpointError, read_checkpoint
+from metrale.engine.llama import LlamaModel
+from metrale.engine.model import Segment
+from tests.checkpoints import load_reference_model, write_tiny_checkpoint
+
+TOL = 1e-4
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+# (family, writer options): every family, tied and untied heads, sharded
+# weights, and the RoPE scalings configs declare.
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "llama-tied-llama3-rope-sharded": (
+        "llama",
+        {"tie_embeddings": True, "rope_parameters": LLAMA3_ROPE, "num_shards": 3},
+    ),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {"rope_parameters": YARN_ROPE}),
+    "qwen3": ("qwen3", {"tie_embeddings": True}),
+}
+
+
+def build(path: Path, num_slots: int = 4, max_len: int = 96) -> LlamaModel:
+    ckpt = read_checkpoint(path)
+    return LlamaModel(
+        ckpt.spec,
+        ckpt.hf_config,
+        ckpt.weights,
+        num_slots=num_slots,
+        max_len=max_len,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family, options = CASES[request.param]
+    return write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family, **options)
+
+
+def random_ids(num_seqs: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (num_seqs, length), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits: torch.Tensor = load_reference_model(path)(ids).logits
+    return logits  # [num_seqs, length, vocab]
+
+
+def test_prefill_logits_equal_transformers(checkpoint: Path) -> None:
+    ids = random_ids(1, 80)
+    expected = reference_logits(checkpoint, ids)[0]
+    out = build(checkpoint).forward([Segment(0, 0, ids[0].tolist())])
+    assert out.logits.shape == expected.shape
+    assert (out.logits - expected).abs().max().item() <= TOL
+
+
+def test_ragged_multi_slot_rows_equal_transformers(checkpoint: Path) -> None:
+    """Prefill three sequences in different slots, then one forward of a verify
+    row, a decode token and a prefill chunk, each at its own position."""
+    ids = random_ids(3, 60)
+    expected = reference_logits(checkpoint, ids)
+    model = build(checkpoint)
+    model.forward([Segment(2, 0, ids[0, :40].tolist()), Segment(0, 0, ids[1, :25].tolist())])
+    model.forward([Segment(3, 0, ids[2, :10].tolist())])
+    rows = [
+        (3, 10, 2, 60),  # slot, start, sequence, end: a 50-token chunk
+        (2, 40, 0, 44),  # a verify row of 4
+        (0, 25, 1, 26),  # one decode token
+    ]
+    out = model.forward([Segment(s, a, ids[q, a:e].tolist()) for s, a, q, e in rows])
+    got = out.logits.split([e - a for _, a, _, e in rows])
+    for (_, start, seq, end), logits in zip(rows, got, strict=True):
+        assert (logits - expected[seq, start:end]).abs().max().item() <= TOL
+
+
+def test_ragged_batch_equals_each_sequence_alone(tmp_path: Path) -> None:
+    path = write_tiny_checkpoint(tmp_path, "qwen2")
+    ids = random_ids(3, 30, seed=7)
+    starts = (12, 5, 20)
+    alone = []
+    for seq in range(3):
+        model = build(path)
+        model.forward([Segment(1, 0, ids[seq, : starts[seq]].tolist())])
+        alone.append(model.forward([Segment(1, starts[seq], ids[seq, starts[seq] :].tolist())]))
+    together = build(path)
+    slots = (3, 0, 2)  # neither ascending nor contiguous: the gathered read path
+    together.forward([Segment(slots[q], 0, ids[q, : starts[q]].tolist()) for q in range(3)])
+    out = together.forward(
+        [Segment(slots[q], starts[q], ids[q, starts[q] :].tolist()) for q in range(3)]
+    )
+    lengths = [30 - s for s in starts]
+    for seq, (logits, hidden) in enumerate(
+        zip(out.logits.split(lengths), out.hidden.split(lengths), strict=True)
+    ):
+        assert torch.allclose(logits, alone[seq].logits, atol=1e-5)
+        assert torch.allclose(hidden, alone[seq].hidden, atol=1e-5)
+
+
+def test_rollback_then_reverify_gives_identical_logits(tmp_path: Path) -> None:
+    """A rejected verify leaves stale keys beyond seq_len; moving seq_len back and
+    verifying other drafts must not see them."""
+    path = write_tiny_checkpoint(tmp_path, "llama")
+    ids = random_ids(1, 20, seed=3)[0].tolist()
+    drafts_a, drafts_b = [5, 6, 7, 8], [ids[16], 9, 10]
+    model = build(path)
+    model.forward([Segment(0, 0, ids[:16])])
+    first = model.forward([Segment(0, 16, drafts_b)]).logits
+    model.forward([Segment(0, 16, drafts_a)])  # rejected: seq_len stays 16
+    again = model.forward([Segment(0, 16, drafts_b)]).logits
+    assert torch.equal(first, again)
+    fresh = build(path)
+    fresh.forward([Segment(0, 0, ids[:16])])
+    assert torch.equal(fresh.forward([Segment(0, 16, drafts_b)]).logits, first)
+
+
+def test_last_logits_are_the_last_rows_of_all(tmp_path: Path) -> None:
+    path = write_tiny_checkpoint(tmp_path, "qwen3")
+    ids = random_ids(2, 12, seed=5)
+    model = build(path)
+    segments = [Segment(0, 0, ids[0, :7].tolist()), Segment(1, 0, ids[1].tolist())]
+    everything = model.forward(segments, logits="all")
+    last = model.forward(segments, logits="last")
+    assert last.logits.shape == (2, everything.logits.shape[1])
+    assert torch.allclose(last.logits, everything.logits[[6, 18]], atol=1e-6)
+    assert torch.equal(last.hidden, everything.hidden)
+
+
+def test_sliding_window_matches_transformers(tmp_path: Path) -> None:
+    path = write_tiny_checkpoint(tmp_path, "mistral")
+    config = path / "config.json"
+    config.write_text(config.read_text().replace('"sliding_window": null', '"sliding_window": 8'))
+    ids = random_ids(1, 40, seed=9)
+    expected = reference_logits(path, ids)[0]
+    model = build(path)
+    model.forward([Segment(0, 0, ids[0, :30].tolist())])
+    out = model.forward([Segment(0, 30, ids[0, 30:].tolist())])
+    assert (out.logits - expected[30:]).abs().max().item() <= TOL
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> None:
+    path = write_tiny_checkpoint(tmp_path, "llama")
+    config = path / "config.json"
+    config.write_text(config.read_text().replace('"model_type": "llama"', '"model_type": "gpt2"'))
+    with pytest.raises(CheckpointError, match=r"unsupported architecture gpt2.*Llama.*Qwen3"):
+        read_checkpoint(path)
+
+
+def test_segment_beyond_max_len_is_refused(tmp_path: Path) -> None:
+    model = build(write_tiny_checkpoint(tmp_path, "llama"), max_len=16)
+    with pytest.raises(AssertionError, match="max_len"):
+        model.forward([Segment(0, 10, list(range(7)))])
