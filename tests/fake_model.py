@@ -113,6 +113,7 @@ class FakeMtp:
     def __post_init__(self) -> None:
         # What each position of each slot was last fed: (context at p, token p+1).
         self.fed: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
+        self._noise: dict[tuple[int, ...], torch.Tensor] = {}
 
     @property
     def num_slots(self) -> int:
@@ -148,8 +149,12 @@ class FakeMtp:
         if right:
             return true
         if self.mode == "noisy":
-            gen = torch.Generator().manual_seed(_context_seed(tokens[-self.model.context :], 7))
-            return true + torch.randn(true.shape, generator=gen) * 1.5
+            key = tokens[-self.model.context :]
+            noise = self._noise.get(key)
+            if noise is None:
+                gen = torch.Generator().manual_seed(_context_seed(key, 7))
+                noise = self._noise[key] = torch.randn(true.shape, generator=gen) * 1.5
+            return true + noise
         # Wrong: the true argmax becomes the least likely token.
         wrong = true.clone()
         wrong[int(true.argmax())] = float(true.min()) - 10.0
