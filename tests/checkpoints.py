@@ -281,7 +281,7 @@ def _save_weights(path: Path, weights: dict[str, torch.Tensor], num_shards: int)
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def load_reference_model(path: Path) -> torch.nn.Module:
+def load_reference_model(path: Path) -> Any:
     """transformers' own model class for a tiny checkpoint, fp32, eval mode.
 
     A ``mimo`` checkpoint is read as the Qwen2 model it is built on.
