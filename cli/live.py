@@ -178,7 +178,7 @@ def live_view(
         if ticker is not None:
             ticker.join()
         final = stats()
-        console.print(summary_line(final, counters))
+        console.print(summary_line(final, counters), soft_wrap=True)
         console.print(final_view(final))
 
 
@@ -190,4 +190,4 @@ def _tick(
     interval_s: float,
 ) -> None:
     while not stop.wait(interval_s):
-        console.print(summary_line(stats(), counters))
+        console.print(summary_line(stats(), counters), soft_wrap=True)
