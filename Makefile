@@ -29,8 +29,11 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 setup: $(STAMP)
 
+# Extra flags for `make run`, e.g. RUN_FLAGS="--no-prompt-lookup" to compare.
+RUN_FLAGS ?=
+
 run: setup
-	$(VENV)/bin/metrale generate $(RUN_INPUT) -o build/run_output.jsonl --stats-json build/run_stats.json
+	$(VENV)/bin/metrale generate $(RUN_INPUT) -o build/run_output.jsonl --stats-json build/run_stats.json $(RUN_FLAGS)
 
 pytest: setup
 	$(PY) -m pytest -q
