@@ -10,6 +10,7 @@ message on standard error before any line is generated.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import IO, Annotated, Any
@@ -20,7 +21,7 @@ from rich.console import Console
 from metrale.cli.jsonl import LineDefaults
 from metrale.cli.options import OutputOrder, Progress, env, in_range, range_text
 from metrale.cli.records import done_ids
-from metrale.cli.run import EXIT_INTERRUPTED, Backend, RunPlan, run
+from metrale.cli.run import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Backend, RunPlan, run
 from metrale.engine.api import SamplingParams
 from metrale.engine.config import EngineConfig, MtpLadder, RuntimeConfig, SharedLookupSettings
 from metrale.lookup import PromptLookupConfig
@@ -293,6 +294,10 @@ def generate(
     finally:
         if stream is not sys.stdout:
             stream.close()
+    if status == EXIT_BROKEN_PIPE and stream is sys.stdout:
+        # Nobody reads standard output any more: point it at /dev/null so the
+        # interpreter's final flush does not raise a second BrokenPipeError.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     raise typer.Exit(status)
 
 
