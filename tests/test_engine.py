@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
+import torch
 
 from metrale.engine.api import Request, Result, SamplingParams
-from metrale.engine.config import EngineConfig, MtpLadder
+from metrale.engine.config import EngineConfig, MtpLadder, RuntimeConfig
+from metrale.engine.default_model import ensure_default_model
+from metrale.engine.loader import load_model
 from metrale.engine.scheduler import Engine
 from metrale.engine.stats import EngineStats
 from metrale.lookup import PromptLookupConfig
+from tests.checkpoints import load_reference_model, write_tiny_checkpoint
 from tests.fake_model import FakeModel, FakeMtp, byte_decode, reference_greedy
 
 # Mixed lengths; some repeat themselves so prompt lookup finds copies.
@@ -26,6 +31,18 @@ PROMPTS = [
     [2, 13, 0, 7, 7, 1, 2, 13, 0, 7, 7, 1, 2, 13],
 ]
 LOOKUP = PromptLookupConfig(ngram=2, min_match=3, max_drafts=8)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    # Small forwards on a shared 2-core machine: a second intra-op thread only
+    # waits for a busy core (tiny checkpoints ran 17x slower with two).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 MODES = {
     "off": (False, None),
     "mtp": (True, None),
@@ -260,3 +277,62 @@ def test_the_same_seed_gives_the_same_sample(mode: str) -> None:
     if mode == "off":
         # Without speculation a request's draws do not depend on its neighbours.
         assert sample(PROMPTS, 0) == alone
+
+
+# -- the real runtime ---------------------------------------------------------
+
+CHECKPOINT_PROMPTS = ["def f(x):\n    return x", "abcabcabcabc", "hello", 'JSON {"a": 1, "b": 2}']
+
+
+def hf_greedy(reference: torch.nn.Module, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
+    """transformers' own greedy ``generate`` for one prompt (no padding)."""
+    with torch.no_grad():
+        out = reference.generate(  # type: ignore[operator]
+            torch.tensor([list(prompt_ids)]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        )
+    return [int(t) for t in out[0, len(prompt_ids) :]]
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama", mtp_layout="deepseek")
+
+
+def test_greedy_output_equals_transformers_generate_on_a_tiny_checkpoint(
+    tiny_deepseek: Path,
+) -> None:
+    runtime = RuntimeConfig(device="cpu", dtype="float32", num_slots=8, max_len=128)
+    loaded = load_model(tiny_deepseek, runtime)
+    assert loaded.mtp, "the deepseek layout gives one MTP module"
+    prompts = [loaded.tokenizer.encode(p) for p in CHECKPOINT_PROMPTS]
+    reference = load_reference_model(tiny_deepseek)
+    expected = {str(i): hf_greedy(reference, p, 24) for i, p in enumerate(prompts)}
+    for mode, (use_mtp, lookup) in MODES.items():
+        for batch in (1, 3, 8):
+            engine = Engine.from_loaded(
+                loaded, EngineConfig(max_batch=batch, mtp=use_mtp, prompt_lookup=lookup)
+            )
+            results = list(engine.generate(requests(prompts, max_tokens=24)))
+            assert outputs(results) == expected, (mode, batch)
+            if mode == "off":
+                assert engine.stats().mean_tokens_per_verify == 1.0
+
+
+@pytest.mark.slow
+def test_greedy_parity_on_the_default_model() -> None:
+    loaded = load_model(None, RuntimeConfig(device="cpu", num_slots=4, max_len=512))
+    texts = ["Write a Python function that adds two numbers.", "List three colours:", "Hi"]
+    prompts = [loaded.tokenizer.encode(t) for t in texts]
+    seen = {}
+    for mode in ("off", "both"):
+        use_mtp, lookup = MODES[mode]
+        engine = Engine.from_loaded(
+            loaded, EngineConfig(max_batch=3, mtp=use_mtp, prompt_lookup=lookup)
+        )
+        seen[mode] = outputs(list(engine.generate(requests(prompts, max_tokens=24))))
+    assert seen["both"] == seen["off"]
+    reference = load_reference_model(ensure_default_model())
+    assert seen["off"]["2"] == hf_greedy(reference, prompts[2], 24)
