@@ -108,9 +108,11 @@ class Writer:
                 self._write(self.held.pop(number))
 
     def _write(self, line: str) -> None:
+        # Counted first: a Ctrl-C raised as the flush returns must not leave a
+        # line on the output that the summary does not count.
+        self.counters.written += 1
         self.out.write(line)
         self.out.flush()
-        self.counters.written += 1
 
 
 def count_lines(inputs: tuple[str, ...]) -> int | None:

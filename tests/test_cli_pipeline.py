@@ -3,6 +3,7 @@ through a subprocess (stdin to stdout), and in-process runs on the real engine."
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,28 @@ def test_stdin_to_stdout_pipeline_carries_only_jsonl(tiny: Path) -> None:
     assert batch["b2"]["response"]["body"]["object"] == "text_completion"
     stderr = proc.stderr.decode()
     assert "5/? requests, 1 failed" in stderr and "prompt lookup: own history" in stderr
+
+
+def test_sigint_keeps_finished_lines_prints_the_summary_and_exits_130(tiny: Path) -> None:
+    proc = subprocess.Popen(
+        [str(METRALE), "generate", "--model", str(tiny), *TINY_ARGS, "--max-batch", "1"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**ENV, "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    # Standard input stays open: the run waits for more lines after these.
+    proc.stdin.write(jsonl(LINES[:2]))
+    proc.stdin.flush()
+    first = orjson.loads(proc.stdout.readline())  # flushed as soon as it finished
+    assert first["id"] == "rep"
+    proc.send_signal(signal.SIGINT)
+    rest, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr.decode()
+    written = 1 + len(rest.splitlines())
+    assert f"interrupted; {written} lines written" in stderr.decode()
+    assert "prompt lookup: all" in stderr.decode()
 
 
 def texts(stdout: str) -> dict[str, str]:
