@@ -264,3 +264,21 @@ def test_interrupt_keeps_finished_lines_prints_summary_and_exits_130(
     assert "interrupted; 3 lines written" in result.stderr
     assert "speculation" in result.stderr  # the final table
     assert orjson.loads(stats.read_bytes())["interrupted"] is True
+
+
+def test_lines_are_numbered_across_inputs_and_errors_keep_input_order(
+    opener: FakeOpener, tmp_path: Path
+) -> None:
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(jsonl([{"prompt": "xxxxxxxx"}, {"prompt": "y"}]))
+    second.write_text("\n" + jsonl([{"prompt": "z", "top_k": -3}, {"prompt": "wwwwww"}]))
+    result = invoke([str(first), str(second), "--order", "input"])
+    assert result.exit_code == 1
+    out = records(result.stdout)
+    assert [r["id"] for r in out] == [1, 2, 4, 5]  # b.jsonl's blank line 3 counts, answers nothing
+    assert out[2]["error"] == {
+        "line": f"{second}:2",
+        "field": "top_k",
+        "message": "must be at least 0, got -3",
+    }
+    assert "4/4 requests, 1 failed" in result.stderr
