@@ -230,6 +230,55 @@ def generate(
     ] = Progress.auto,
 ) -> None:
     """Generate completions for JSONL prompts (simple or OpenAI Batch format)."""
+    sources, out_path = _io_paths(inputs, output, resume)
+    try:
+        engine_cfg = EngineConfig(
+            max_batch=max_batch,
+            mtp=mtp,
+            mtp_ladder=MtpLadder.parse(mtp_drafts),
+            prompt_lookup=PromptLookupConfig(
+                ngram=pl_ngram,
+                max_drafts=pl_max_drafts,
+                max_seqs=pl_max_seqs,
+                min_match=pl_min_match,
+                miss_backoff=pl_miss_backoff,
+            )
+            if prompt_lookup
+            else None,
+            shared_lookup=SharedLookupSettings(cache_mb=pl_shared_mb, scopes=pl_shared_scopes),
+        )
+        runtime = RuntimeConfig(
+            device=device, dtype=dtype, num_slots=max_batch, max_len=max_len, mtp=mtp
+        )
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+        )
+    except ValueError as exc:  # the configs' messages name the flag
+        raise typer.BadParameter(str(exc)) from exc
+    console = Console(stderr=True)
+    backend = _load(console, model, runtime, engine_cfg)
+    plan = RunPlan(
+        inputs=sources,
+        output=out_path,
+        order=order,
+        skip_ids=frozenset(done_ids(Path(out_path))) if resume and out_path else frozenset(),
+        stats_json=stats_json,
+        progress=_view_mode(progress, console, out_path is None),
+        defaults=LineDefaults(params=params, scope=shared_scope),
+        settings={
+            "model": model,
+            "engine": dataclasses.asdict(engine_cfg),
+            "runtime": dataclasses.asdict(runtime),
+            "sampling": dataclasses.asdict(params),
+        },
+    )
+    raise typer.Exit(_run_into(plan, backend, console, append=resume))
+
+
+def _io_paths(
+    inputs: list[str] | None, output: str | None, resume: bool
+) -> tuple[tuple[str, ...], str | None]:
+    """Inputs (``"-"`` for standard input) and the output path (None: stdout)."""
     sources = tuple(inputs or ["-"])
     for path in sources:
         if path != "-" and not Path(path).is_file():
@@ -239,56 +288,24 @@ def generate(
         raise typer.BadParameter(
             "needs -o OUTPUT: it skips the ids already written there", param_hint="--resume"
         )
-    try:
-        lookup = PromptLookupConfig(
-            ngram=pl_ngram,
-            max_drafts=pl_max_drafts,
-            max_seqs=pl_max_seqs,
-            min_match=pl_min_match,
-            miss_backoff=pl_miss_backoff,
-        )
-        engine_cfg = EngineConfig(
-            max_batch=max_batch,
-            mtp=mtp,
-            mtp_ladder=MtpLadder.parse(mtp_drafts),
-            prompt_lookup=lookup if prompt_lookup else None,
-            shared_lookup=SharedLookupSettings(cache_mb=pl_shared_mb, scopes=pl_shared_scopes),
-        )
-        runtime = RuntimeConfig(
-            device=device, dtype=dtype, num_slots=max_batch, max_len=max_len, mtp=mtp
-        )
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
-        )
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    console = Console(stderr=True)
-    settings = {
-        "engine": dataclasses.asdict(engine_cfg),
-        "runtime": dataclasses.asdict(runtime),
-        "sampling": dataclasses.asdict(params),
-        "model": model,
-    }
+    return sources, out_path
+
+
+def _load(
+    console: Console, model: str | None, runtime: RuntimeConfig, engine: EngineConfig
+) -> Backend:
     try:
         console.print(f"metrale: loading {model or 'the embedded default model'}...")
-        backend = open_backend(model, runtime, engine_cfg)
+        return open_backend(model, runtime, engine)
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # CheckpointError is a ValueError
         raise typer.BadParameter(f"cannot load it: {exc}", param_hint="--model") from exc
-    skip = frozenset(done_ids(Path(out_path))) if resume and out_path else frozenset()
-    stream: IO[str]
-    stream = sys.stdout if out_path is None else _open_output(out_path, resume)
-    plan = RunPlan(
-        inputs=sources,
-        output=out_path,
-        order=order,
-        skip_ids=skip,
-        stats_json=stats_json,
-        progress=_view_mode(progress, console, out_path is None),
-        defaults=LineDefaults(params=params, scope=shared_scope),
-        settings=settings,
-    )
+
+
+def _run_into(plan: RunPlan, backend: Backend, console: Console, append: bool) -> int:
+    """Runs with the output opened (appending under ``--resume``); returns the status."""
+    stream = sys.stdout if plan.output is None else _open_output(plan.output, append)
     try:
         status = run(plan, backend, stream, console)
     finally:
@@ -298,7 +315,7 @@ def generate(
         # Nobody reads standard output any more: point it at /dev/null so the
         # interpreter's final flush does not raise a second BrokenPipeError.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    raise typer.Exit(status)
+    return status
 
 
 def _open_output(path: str, resume: bool) -> IO[str]:
