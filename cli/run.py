@@ -135,6 +135,8 @@ def read_lines(inputs: tuple[str, ...]) -> Iterator[tuple[LineRef, bytes]]:
         try:
             for i, raw in enumerate(stream, start=1):
                 number += 1
+                if i == 1:
+                    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM some editors write
                 if raw.strip():
                     yield LineRef(number, f"{name}:{i}"), raw
         finally:

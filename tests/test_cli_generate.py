@@ -266,11 +266,11 @@ def test_interrupt_keeps_finished_lines_prints_summary_and_exits_130(
     assert orjson.loads(stats.read_bytes())["interrupted"] is True
 
 
-def test_lines_are_numbered_across_inputs_and_errors_keep_input_order(
+def test_lines_are_numbered_across_inputs_and_errors_keep_input_order(  # and a BOM is skipped
     opener: FakeOpener, tmp_path: Path
 ) -> None:
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    first.write_text(jsonl([{"prompt": "xxxxxxxx"}, {"prompt": "y"}]))
+    first.write_text("\ufeff" + jsonl([{"prompt": "xxxxxxxx"}, {"prompt": "y"}]))
     second.write_text("\n" + jsonl([{"prompt": "z", "top_k": -3}, {"prompt": "wwwwww"}]))
     result = invoke([str(first), str(second), "--order", "input"])
     assert result.exit_code == 1
