@@ -52,5 +52,9 @@ test: pytest lint typecheck
 bench-lookup: setup
 	$(PY) -m metrale.lookup.bench
 
+# Forward time of metrale's runtime next to transformers' on the default model.
+bench-runtime: setup
+	$(PY) -m metrale.engine.bench_runtime
+
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache

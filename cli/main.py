@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from metrale.cli.generate import generate
+from metrale.cli.info import info
 
 app = typer.Typer(
     name="metrale",
@@ -21,3 +22,4 @@ def _root() -> None:
 
 
 app.command(name="generate")(generate)
+app.command(name="info")(info)
