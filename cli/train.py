@@ -1,0 +1,196 @@
+"""`metrale train-mtp`: give a model an MTP drafter by self-distillation.
+
+Contract: the command loads the frozen model (never its existing MTP layers),
+reads ``--data`` (text files, JSONL prompts the model answers itself, JSONL
+prompt + completion pairs; see ``metrale.engine.train_data``), trains one head
+with ``metrale.engine.train_mtp`` and writes ``OUT.safetensors`` (bfloat16) +
+``OUT.json`` (the card: data, tokens, steps, time, held-out acceptance).
+Generations, cached hidden states and checkpoints live in ``--work-dir``
+(default ``OUT.work``): running the same command again after an interrupt
+resumes. Progress bars show the stage, loss and trained tokens/s; held-out
+acceptance is printed as training goes. Usage errors exit with 2.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from metrale.engine.config import RuntimeConfig
+from metrale.engine.train_mtp import EvalReport, TrainConfig, TrainProgress
+
+STDERR = Console(stderr=True)
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description:<9}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[rate]} tok/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+
+
+def describe(report: EvalReport) -> str:
+    by_depth = " ".join(f"d{i + 1} {a:.1%}" for i, a in enumerate(report.accepted))
+    return (
+        f"held-out acceptance {by_depth} ({report.positions} positions; "
+        f"~{report.tokens_per_verify:.2f} tokens/verify at chain {len(report.accepted)})"
+    )
+
+
+def train_mtp_command(
+    data: Annotated[
+        list[Path],
+        typer.Option("--data", help="Training data: text files or JSONL (repeat the flag)."),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Head to write: OUT.safetensors + OUT.json.")],
+    model: Annotated[
+        str | None,
+        typer.Option("--model", help="Checkpoint folder (default: the embedded SmolLM2-135M)."),
+    ] = None,
+    work_dir: Annotated[
+        Path | None,
+        typer.Option(help="Generations, cached hidden states, checkpoints (default OUT.work)."),
+    ] = None,
+    epochs: Annotated[int, typer.Option(min=1, help="Passes over the training data.")] = 3,
+    batch_tokens: Annotated[
+        int, typer.Option(min=1, help="Trained positions per optimizer step.")
+    ] = 4096,
+    lr: Annotated[float, typer.Option(min=0.0, help="Peak AdamW learning rate.")] = 1e-3,
+    seed: Annotated[int, typer.Option(help="Seed: the same seed and data give the same head.")] = 0,
+    heldout: Annotated[
+        float, typer.Option(min=0.0, max=0.9, help="Fraction of sequences held out.")
+    ] = 0.05,
+    eval_every: Annotated[int, typer.Option(min=0, help="Steps between evaluations.")] = 100,
+    checkpoint_every: Annotated[int, typer.Option(min=0, help="Steps between checkpoints.")] = 20,
+    vocab: Annotated[
+        str, typer.Option(help="Softmax over 'seen' target tokens (fast) or the 'full' vocabulary.")
+    ] = "seen",
+    max_steps: Annotated[
+        int | None, typer.Option(min=1, help="Stop after this many steps (resumable).")
+    ] = None,
+    max_len: Annotated[int, typer.Option(min=8, help="Longest sequence, in tokens.")] = 1280,
+    gen_batch: Annotated[
+        int, typer.Option(min=1, help="Prompts answered at once when generating.")
+    ] = 16,
+    dtype: Annotated[str | None, typer.Option(help="Runtime dtype of the frozen model.")] = None,
+) -> None:
+    """Train an MTP head for a model on its own predictions (self-distillation)."""
+    try:
+        config = TrainConfig(
+            epochs=epochs,
+            batch_tokens=batch_tokens,
+            lr=lr,
+            seed=seed,
+            heldout=heldout,
+            eval_every=eval_every,
+            checkpoint_every=checkpoint_every,
+            vocab=vocab,  # type: ignore[arg-type]
+            max_steps=max_steps,
+        )
+        runtime = RuntimeConfig(num_slots=gen_batch, max_len=max_len, dtype=dtype, mtp=False)
+    except ValueError as exc:
+        STDERR.print(f"error: {exc}")
+        raise typer.Exit(2) from exc
+    missing = [str(p) for p in data if not p.exists()]
+    if missing:
+        STDERR.print(f"error: training data not found: {', '.join(missing)}")
+        raise typer.Exit(2)
+    work = work_dir or out.with_name(out.name + ".work")
+    run_training(model, data, out, work, config, runtime)
+
+
+def run_training(
+    model: str | None,
+    data: list[Path],
+    out: Path,
+    work: Path,
+    config: TrainConfig,
+    runtime: RuntimeConfig,
+) -> None:
+    from metrale.engine.llama import LlamaModel
+    from metrale.engine.loader import load_model
+    from metrale.engine.mtp_head import save_mtp_head
+    from metrale.engine.train_data import load_sources
+    from metrale.engine.train_mtp import train_mtp
+
+    started = time.perf_counter()
+    try:
+        loaded = load_model(model, runtime)
+    except (ValueError, RuntimeError, OSError) as exc:
+        STDERR.print(f"error: {exc}")
+        raise typer.Exit(2) from exc
+    if not isinstance(loaded.model, LlamaModel):
+        STDERR.print("error: train-mtp needs a model of metrale's own Llama-family runtime")
+        raise typer.Exit(2)
+    with _progress(STDERR) as bars:
+        tasks: dict[str, Any] = {}
+
+        def show(stage: str, done: int, total: int, loss: str = "-", rate: str = "-") -> None:
+            if stage not in tasks:
+                tasks[stage] = bars.add_task(stage, total=total, loss="-", rate="-")
+            bars.update(tasks[stage], completed=done, total=total, loss=loss, rate=rate)
+
+        sequences = load_sources(
+            loaded,
+            data,
+            work,
+            max_batch=runtime.num_slots,
+            on_generated=lambda done, total: show("generate", done, total),
+        )
+
+        def on_progress(p: TrainProgress) -> None:
+            if p.stage == "cache":
+                show("hidden", p.done, p.total)
+            else:
+                show("train", p.done, p.total, f"{p.loss:.3f}", f"{p.tokens_per_s:,.0f}")
+
+        def on_eval(step: int, report: EvalReport) -> None:
+            bars.console.print(f"step {step}: {describe(report)}")
+
+        result = train_mtp(
+            loaded.model, sequences, config, work, on_progress=on_progress, on_eval=on_eval
+        )
+    import torch
+
+    fields: dict[str, Any] = {
+        "trained_by": "metrale train-mtp",
+        "date": datetime.date.today().isoformat(),
+        "data": [p.name for p in data],
+        "sequences": len(sequences),
+        "train_tokens": result.train_tokens,
+        "heldout_tokens": result.heldout_tokens,
+        "epochs": config.epochs,
+        "steps": result.steps,
+        "seconds": round(time.perf_counter() - started, 1),
+        "final_loss": round(result.final_loss, 4),
+        "settings": {k: v for k, v in vars(config).items() if k != "max_steps"},
+    }
+    if result.heldout_eval is not None:
+        fields["heldout_acceptance_by_depth"] = [round(a, 4) for a in result.heldout_eval.accepted]
+        fields["heldout_positions"] = result.heldout_eval.positions
+    tensors = {k: v.to(torch.bfloat16) for k, v in result.tensors.items()}
+    weights, card = save_mtp_head(
+        out, tensors, loaded.model.spec, base_model=loaded.name, fields=fields
+    )
+    if result.heldout_eval is not None:
+        STDERR.print(f"final {describe(result.heldout_eval)}")
+    STDERR.print(f"wrote {weights} and {card} ({result.steps} steps, {fields['seconds']} s)")

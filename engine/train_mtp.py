@@ -1,0 +1,359 @@
+"""Self-distillation of one MTP head on a frozen model: cache, training loop, evaluation.
+
+Contract: ``train_mtp(model, sequences, config, work_dir)`` trains a
+``TrainableHead`` (``train_head.py``) so that, at position ``p``, its draft
+matches the frozen model's own prediction for token ``p + 2``, i.e. the argmax
+of the model's logits at position ``p + 1``. The head therefore learns what
+verification will accept, not the corpus (on the model's own greedy output
+the two coincide).
+
+- **Cache.** One forward of the frozen model per sequence gives the pre-norm
+  hidden states ``h`` (stored in bfloat16) and the argmax targets; they are
+  computed once, saved in ``work_dir``, and reused by every epoch and resume.
+- **Steps.** A step packs whole sequences until ``batch_tokens`` trained
+  positions; the batch order of epoch ``e`` depends only on ``(seed, e)``.
+  With ``vocab="seen"`` the softmax runs over the tokens that occur as targets
+  in the training set (the LM head is frozen, so only its rows for those
+  tokens matter to the loss); evaluation always uses the full vocabulary.
+- **Determinism and resume.** Initialisation, batch order and the schedule
+  follow from ``seed`` and the step number, and a checkpoint in ``work_dir``
+  holds the head, the optimizer and the step: an interrupted run resumed from
+  it ends with the same head as an uninterrupted one.
+- **Evaluation.** On held-out sequences (never trained on), the greedy
+  acceptance of chain drafts at depths ``1..chain_depth``: the depth-``d``
+  figure counts base positions whose drafts ``1..d`` all equal the model's
+  predictions, as the engine's ``accepted_by_position`` does.
+
+Progress goes through callbacks; nothing here prints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from metrale.engine.llama import LlamaModel
+from metrale.engine.model import Segment
+from metrale.engine.train_data import TrainSequence
+from metrale.engine.train_head import TrainableHead
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 3
+    batch_tokens: int = 4096  # trained positions per optimizer step
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    seed: int = 0
+    heldout: float = 0.05  # fraction of sequences kept for evaluation
+    eval_every: int = 100  # steps between held-out evaluations (0: only at the end)
+    checkpoint_every: int = 20  # steps between checkpoints (0: none)
+    chain_depth: int = 3
+    vocab: Literal["seen", "full"] = "seen"
+    max_steps: int | None = None  # stop early (the schedule still spans every epoch)
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise ValueError("--epochs must be at least 1")
+        if self.batch_tokens < 1:
+            raise ValueError("--batch-tokens must be at least 1")
+        if not self.lr > 0:
+            raise ValueError("--lr must be positive")
+        if not 0.0 <= self.heldout < 1.0:
+            raise ValueError("--heldout must be in [0, 1)")
+        if self.chain_depth < 1:
+            raise ValueError("the evaluated chain depth must be at least 1")
+        if self.vocab not in ("seen", "full"):
+            raise ValueError("--vocab must be 'seen' or 'full'")
+
+
+@dataclass
+class CachedSequence:
+    """What training reads for one sequence of ``n + 1`` tokens (``n`` positions)."""
+
+    next_ids: torch.Tensor  # [n] token p+1 at position p
+    hidden: torch.Tensor  # [n, hidden] the model's h_p, bfloat16
+    targets: torch.Tensor  # [n] the model's argmax at p+1 (its guess at token p+2)
+    first: int  # first trained position
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    positions: int
+    accepted: tuple[float, ...]  # by chain depth 1.., fraction of positions
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Expected tokens per verify at this chain length, counting the bonus token."""
+        return 1.0 + sum(self.accepted)
+
+
+@dataclass(frozen=True)
+class TrainProgress:
+    stage: Literal["cache", "train"]
+    done: int
+    total: int
+    loss: float = math.nan
+    tokens_per_s: float = 0.0
+
+
+@dataclass
+class TrainResult:
+    tensors: dict[str, torch.Tensor]
+    steps: int
+    train_tokens: int  # trained positions per epoch
+    heldout_tokens: int
+    seconds: float
+    final_loss: float
+    heldout_eval: EvalReport | None
+    train_eval: EvalReport | None
+
+
+ProgressFn = Callable[[TrainProgress], None]
+EvalFn = Callable[[int, EvalReport], None]
+
+
+def cache_sequences(
+    model: LlamaModel,
+    sequences: Sequence[TrainSequence],
+    work_dir: Path | None = None,
+    on_progress: ProgressFn | None = None,
+) -> list[CachedSequence]:
+    """Hidden states and targets for ``sequences``, from ``work_dir`` when cached.
+    Sequences longer than the model's ``max_len`` are cut to it."""
+    key = fingerprint(sequences, model.max_len)
+    path = work_dir / f"cache-{key}.pt" if work_dir is not None else None
+    if path is not None and path.exists():
+        loaded: list[CachedSequence] = [CachedSequence(**d) for d in torch.load(path)]
+        return loaded
+    cached = []
+    for i, seq in enumerate(sequences):
+        ids = list(seq.token_ids[: model.max_len])
+        out = model.forward([Segment(0, 0, ids)], logits="all")
+        predicted = out.logits.argmax(-1)  # [len(ids)] the model's guess at token j+1
+        cached.append(
+            CachedSequence(
+                next_ids=torch.tensor(ids[1:]),
+                hidden=out.hidden[:-1].to(torch.bfloat16).clone(),
+                targets=predicted[1:].clone(),
+                first=max(seq.loss_start - 1, 0),
+            )
+        )
+        if on_progress is not None:
+            on_progress(TrainProgress("cache", i + 1, len(sequences)))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_save([asdict(c) for c in cached], path)
+    return cached
+
+
+def fingerprint(sequences: Sequence[TrainSequence], max_len: int) -> str:
+    digest = hashlib.sha256(str(max_len).encode())
+    for seq in sequences:
+        digest.update(f"{seq.loss_start}:{','.join(map(str, seq.token_ids))};".encode())
+    return digest.hexdigest()[:16]
+
+
+def split_heldout(
+    cached: Sequence[CachedSequence], fraction: float, seed: int
+) -> tuple[list[CachedSequence], list[CachedSequence]]:
+    """``(train, heldout)``: a seeded choice of ``fraction`` of the sequences."""
+    order = torch.randperm(len(cached), generator=torch.Generator().manual_seed(seed)).tolist()
+    num_heldout = round(len(cached) * fraction)
+    held = set(order[:num_heldout])
+    return (
+        [c for i, c in enumerate(cached) if i not in held],
+        [c for i, c in enumerate(cached) if i in held],
+    )
+
+
+def num_trained(seq: CachedSequence) -> int:
+    return seq.targets.shape[0] - seq.first
+
+
+class Trainer:
+    """The optimisation state of one run (see module doc)."""
+
+    def __init__(self, model: LlamaModel, train: Sequence[CachedSequence], config: TrainConfig):
+        self.config = config
+        self.train = [s for s in train if num_trained(s) > 0]
+        if not self.train:
+            raise ValueError("no training positions: the data is empty or too short")
+        self.head = TrainableHead(model, config.seed)
+        self.rows: torch.Tensor | None = None  # [num_rows] vocabulary rows in the softmax
+        self.row_of: torch.Tensor | None = None  # [vocab] target id -> index in rows
+        if config.vocab == "seen":
+            self.rows = torch.unique(torch.cat([s.targets[s.first :] for s in self.train]))
+            self.row_of = torch.full((self.head.lm_head.shape[0],), -1, dtype=torch.long)
+            self.row_of[self.rows] = torch.arange(self.rows.shape[0])
+        self.plans = [self._epoch_batches(e) for e in range(config.epochs)]
+        self.total_steps = sum(len(p) for p in self.plans)
+        self.optimizer = torch.optim.AdamW(
+            self.head.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+        self.step = 0
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + epoch)
+        batches: list[list[int]] = [[]]
+        filled = 0
+        for i in torch.randperm(len(self.train), generator=gen).tolist():
+            if filled >= self.config.batch_tokens:
+                batches.append([])
+                filled = 0
+            batches[-1].append(i)
+            filled += num_trained(self.train[i])
+        return batches
+
+    def batch(self, step: int) -> list[int]:
+        for plan in self.plans:
+            if step < len(plan):
+                return plan[step]
+            step -= len(plan)
+        raise IndexError("step beyond the planned epochs")
+
+    def lr_at(self, step: int) -> float:
+        cfg = self.config
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        span = max(self.total_steps - cfg.warmup_steps, 1)
+        cosine = 0.5 * (1 + math.cos(math.pi * min((step - cfg.warmup_steps) / span, 1.0)))
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+    def run_step(self) -> tuple[float, int]:
+        """One optimizer step; returns ``(mean loss, trained positions)``."""
+        indices = self.batch(self.step)
+        total = sum(num_trained(self.train[i]) for i in indices)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for i in indices:
+            seq = self.train[i]
+            y = self.head(seq.next_ids, seq.hidden)[seq.first :]  # [m, hidden]
+            targets = seq.targets[seq.first :]  # [m]
+            if self.rows is not None and self.row_of is not None:
+                logits = self.head.logits(y, self.rows)  # [m, num_rows]
+                targets = self.row_of[targets]
+            else:
+                logits = self.head.logits(y)  # [m, vocab]
+            loss = F.cross_entropy(logits, targets, reduction="sum") / total
+            loss.backward()
+            loss_sum += float(loss.detach())
+        self.optimizer.step()
+        self.step += 1
+        return loss_sum, total
+
+    def evaluate(self, sequences: Sequence[CachedSequence]) -> EvalReport:
+        return evaluate(self.head, sequences, self.config.chain_depth)
+
+    def state(self) -> dict[str, object]:
+        return {
+            "step": self.step,
+            "tensors": self.head.tensors(),
+            "optimizer": self.optimizer.state_dict(),
+            "config": asdict(self.config),
+        }
+
+    def restore(self, state: dict[str, object]) -> None:
+        saved = dict(state["config"])  # type: ignore[call-overload]
+        ignore = ("eval_every", "checkpoint_every", "max_steps")
+        if {k: v for k, v in saved.items() if k not in ignore} != {
+            k: v for k, v in asdict(self.config).items() if k not in ignore
+        }:
+            raise ValueError("the checkpoint was made with other settings; use a new --work-dir")
+        self.head.load_tensors(state["tensors"])  # type: ignore[arg-type]
+        self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+        self.step = int(state["step"])  # type: ignore[call-overload]
+
+
+def evaluate(head: TrainableHead, sequences: Sequence[CachedSequence], depth: int) -> EvalReport:
+    """Chain acceptance by depth over every base position with a full chain of targets."""
+    counts = torch.zeros(depth)
+    positions = 0
+    for seq in sequences:
+        n = seq.targets.shape[0]
+        last = n - depth  # base positions first..last have targets for every depth
+        if last < seq.first:
+            continue
+        drafts = head.chain_drafts(seq.next_ids, seq.hidden, depth)  # [depth, n]
+        base = torch.arange(seq.first, last + 1)
+        ok = torch.ones(base.shape[0], dtype=torch.bool)
+        for d in range(depth):
+            ok = ok & (drafts[d, base] == seq.targets[base + d])
+            counts[d] += ok.sum()
+        positions += base.shape[0]
+    accepted = tuple(float(c) / positions if positions else 0.0 for c in counts)
+    return EvalReport(positions, accepted)
+
+
+def train_mtp(
+    model: LlamaModel,
+    sequences: Sequence[TrainSequence],
+    config: TrainConfig,
+    work_dir: Path | None = None,
+    *,
+    on_progress: ProgressFn | None = None,
+    on_eval: EvalFn | None = None,
+) -> TrainResult:
+    """The whole run (see module doc); resumes from ``work_dir/checkpoint.pt``."""
+    started = time.perf_counter()
+    torch.manual_seed(config.seed)
+    cached = cache_sequences(model, sequences, work_dir, on_progress)
+    train, heldout = split_heldout(cached, config.heldout, config.seed)
+    trainer = Trainer(model, train, config)
+    checkpoint = work_dir / "checkpoint.pt" if work_dir is not None else None
+    if checkpoint is not None and checkpoint.exists():
+        trainer.restore(torch.load(checkpoint, weights_only=False))
+    stop = min(trainer.total_steps, config.max_steps or trainer.total_steps)
+    loss, tick = math.nan, time.perf_counter()
+    report: EvalReport | None = None
+    while trainer.step < stop:
+        loss, num_tokens = trainer.run_step()
+        now = time.perf_counter()
+        if on_progress is not None:
+            rate = num_tokens / max(now - tick, 1e-9)
+            on_progress(TrainProgress("train", trainer.step, stop, loss, rate))
+        tick = now
+        every = config.checkpoint_every
+        if checkpoint is not None and every and trainer.step % every == 0:
+            _atomic_save(trainer.state(), checkpoint)
+        if heldout and config.eval_every and trainer.step % config.eval_every == 0:
+            report = trainer.evaluate(heldout)
+            if on_eval is not None:
+                on_eval(trainer.step, report)
+            tick = time.perf_counter()  # evaluation time is not training throughput
+    if checkpoint is not None:
+        _atomic_save(trainer.state(), checkpoint)
+    if heldout and (report is None or trainer.step % max(config.eval_every, 1) != 0):
+        report = trainer.evaluate(heldout)
+        if on_eval is not None:
+            on_eval(trainer.step, report)
+    return TrainResult(
+        tensors=trainer.head.tensors(),
+        steps=trainer.step,
+        train_tokens=sum(num_trained(s) for s in trainer.train),
+        heldout_tokens=sum(num_trained(s) for s in heldout),
+        seconds=time.perf_counter() - started,
+        final_loss=loss,
+        heldout_eval=report if heldout else None,
+        train_eval=None,
+    )
+
+
+def _atomic_save(obj: object, path: Path) -> None:
+    """Writes then renames, so an interrupt never leaves half a file."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    tmp.replace(path)

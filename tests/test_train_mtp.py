@@ -1,0 +1,196 @@
+"""Properties of MTP head training (``metrale.engine.train_mtp``) on tiny random models,
+and of the head shipped for the default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from metrale.engine.api import Request, SamplingParams
+from metrale.engine.config import EngineConfig, RuntimeConfig
+from metrale.engine.llama import LlamaModel
+from metrale.engine.loader import HEADS_DIR, LoadedModel, load_model
+from metrale.engine.model import Segment
+from metrale.engine.mtp_head import load_mtp_head, save_mtp_head
+from metrale.engine.scheduler import Engine
+from metrale.engine.train_data import TrainSequence, read_jsonl, text_sequences
+from metrale.engine.train_head import TrainableHead
+from metrale.engine.train_mtp import (
+    TrainConfig,
+    Trainer,
+    cache_sequences,
+    evaluate,
+    train_mtp,
+)
+from tests.checkpoints import write_tiny_checkpoint
+
+MAX_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", "qwen2")
+    return load_model(path, RuntimeConfig(num_slots=2, max_len=MAX_LEN, dtype="float32"))
+
+
+def model_of(loaded: LoadedModel) -> LlamaModel:
+    assert isinstance(loaded.model, LlamaModel)
+    return loaded.model
+
+
+def corpus(num: int = 6, length: int = 64, seed: int = 0) -> list[TrainSequence]:
+    """Repetitive byte text: enough structure for a head to learn in a few steps."""
+    gen = torch.Generator().manual_seed(seed)
+    words = [torch.randint(97, 123, (4,), generator=gen).tolist() for _ in range(5)]
+    out = []
+    for _ in range(num):
+        picks = torch.randint(0, len(words), (length // 5 + 1,), generator=gen).tolist()
+        ids = [t for w in picks for t in [*words[w], 32]][:length]
+        out.append(TrainSequence(tuple(ids), loss_start=4))
+    return out
+
+
+def small_config(**overrides: object) -> TrainConfig:
+    fields: dict[str, object] = dict(
+        epochs=4, batch_tokens=120, lr=3e-3, warmup_steps=2, heldout=0.0, eval_every=0
+    )
+    fields.update(overrides)
+    return TrainConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_training_lowers_loss_and_raises_agreement_on_the_training_text(
+    tiny: LoadedModel,
+) -> None:
+    model = model_of(tiny)
+    cached = cache_sequences(model, corpus())
+    trainer = Trainer(model, cached, small_config(epochs=8))
+    before = evaluate(trainer.head, cached, 1).accepted[0]
+    losses = [trainer.run_step()[0] for _ in range(trainer.total_steps)]
+    after = evaluate(trainer.head, cached, 1).accepted[0]
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3
+    assert after > before + 0.2, (before, after)
+
+
+def test_the_target_is_the_models_own_prediction_two_tokens_ahead(tiny: LoadedModel) -> None:
+    model = model_of(tiny)
+    seq = corpus(num=1)[0]
+    (cached,) = cache_sequences(model, [seq])
+    out = model.forward([Segment(0, 0, list(seq.token_ids))], logits="all")
+    # targets[p] is the model's argmax at position p + 1, i.e. its guess at token p + 2
+    assert torch.equal(cached.targets, out.logits.argmax(-1)[1:])
+    assert cached.next_ids.tolist() == list(seq.token_ids[1:])
+    assert cached.first == seq.loss_start - 1
+
+
+def test_a_saved_head_reloads_to_identical_outputs(tiny: LoadedModel, tmp_path: Path) -> None:
+    model = model_of(tiny)
+    result = train_mtp(model, corpus(), small_config(max_steps=3))
+    path = tmp_path / "head"
+    save_mtp_head(path, result.tensors, model.spec, base_model="tiny", fields={"steps": 3})
+    layer = load_mtp_head(path, model)
+    head = TrainableHead(model, seed=1)
+    head.load_tensors(result.tensors)
+    ids = list(corpus(num=1, seed=3)[0].token_ids[:40])
+    main = model.forward([Segment(1, 0, ids)], logits="all")
+    runtime = layer.forward([Segment(1, 0, ids[1:])], main.hidden[:-1])
+    with torch.no_grad():
+        trained = head.logits(head(torch.tensor(ids[1:]), main.hidden[:-1]))
+    torch.testing.assert_close(runtime.logits, trained, atol=1e-4, rtol=1e-4)
+    again = load_mtp_head(path, model).forward([Segment(1, 0, ids[1:])], main.hidden[:-1])
+    assert torch.equal(runtime.logits, again.logits)
+
+
+def test_chain_evaluation_matches_the_runtimes_chain_drafting(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    model = model_of(tiny)
+    result = train_mtp(model, corpus(), small_config(max_steps=2))
+    head = TrainableHead(model, seed=1)
+    head.load_tensors(result.tensors)
+    save_mtp_head(tmp_path / "head", result.tensors, model.spec, base_model="tiny")  # float32
+    layer = load_mtp_head(tmp_path / "head", model)
+    ids = list(corpus(num=1, seed=5)[0].token_ids[:30])
+    main = model.forward([Segment(0, 0, ids)], logits="all")
+    drafts = head.chain_drafts(torch.tensor(ids[1:]), main.hidden[:-1], depth=3)
+    for p in (3, 10, 20):
+        # The runtime feeds verified positions 0..p, then chains on its own outputs.
+        out = layer.forward([Segment(0, 0, ids[1 : p + 2])], main.hidden[: p + 1], "last")
+        chain = [int(out.logits[0].argmax())]
+        hidden = out.hidden[-1:]
+        for d in range(1, 3):
+            out = layer.forward([Segment(0, p + d, [chain[-1]])], hidden, "last")
+            chain.append(int(out.logits[0].argmax()))
+            hidden = out.hidden[-1:]
+        assert chain == drafts[:, p].tolist(), p
+
+
+def test_the_same_seed_gives_the_same_head(tiny: LoadedModel) -> None:
+    model = model_of(tiny)
+    first = train_mtp(model, corpus(), small_config(max_steps=3, seed=7)).tensors
+    second = train_mtp(model, corpus(), small_config(max_steps=3, seed=7)).tensors
+    other = train_mtp(model, corpus(), small_config(max_steps=3, seed=8)).tensors
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not all(torch.equal(first[k], other[k]) for k in first)
+
+
+def test_resuming_from_a_checkpoint_continues_the_same_run(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    model = model_of(tiny)
+    whole = train_mtp(model, corpus(), small_config(epochs=2), tmp_path / "whole")
+    work = tmp_path / "interrupted"
+    cut = train_mtp(model, corpus(), small_config(epochs=2, max_steps=3), work)
+    assert cut.steps == 3 < whole.steps
+    resumed = train_mtp(model, corpus(), small_config(epochs=2), work)
+    assert resumed.steps == whole.steps
+    assert all(torch.equal(whole.tensors[k], resumed.tensors[k]) for k in whole.tensors)
+
+
+def test_heldout_sequences_are_never_trained_on(tiny: LoadedModel) -> None:
+    model = model_of(tiny)
+    data = corpus(num=10)
+    result = train_mtp(model, data, small_config(heldout=0.3, max_steps=1))
+    assert result.heldout_eval is not None and result.heldout_eval.positions > 0
+    trained = sum(len(s.token_ids) - s.loss_start for s in data)
+    assert result.train_tokens + result.heldout_tokens == trained
+    assert result.heldout_tokens == sum(len(s.token_ids) - s.loss_start for s in data[:3])
+
+
+def test_text_and_jsonl_sources(tiny: LoadedModel, tmp_path: Path) -> None:
+    text = tmp_path / "a.txt"
+    text.write_text("abcdefghij" * 5)
+    windows = text_sequences(text, tiny.tokenizer, window=16)
+    assert [len(w.token_ids) for w in windows] == [16, 16, 16]  # the 2-token tail is dropped
+    lines = tmp_path / "p.jsonl"
+    lines.write_text(
+        '{"prompt": "hi", "completion": " there"}\n{"id": "q", "prompt": "why", "max_tokens": 5}\n'
+    )
+    done, todo = read_jsonl(lines, tiny.tokenizer)
+    assert done[0].loss_start == len(tiny.tokenizer.encode("hi"))
+    assert [(p.record_id, p.max_tokens) for p in todo] == [("q", 5)]
+
+
+@pytest.mark.slow
+def test_the_shipped_head_loads_with_the_default_model_and_drafts() -> None:
+    if not (HEADS_DIR / "smollm2-135m-instruct.safetensors").exists():
+        pytest.fail("the shipped head engine/heads/smollm2-135m-instruct.safetensors is missing")
+    loaded = load_model(None, RuntimeConfig(num_slots=1, max_len=256))
+    assert loaded.info.mtp_layout == "head" and len(loaded.mtp) == 1
+    prompt = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write one sentence about the sea."}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    if not isinstance(prompt, list):
+        prompt = prompt["input_ids"]
+    params = SamplingParams(max_tokens=24, eos_token_ids=loaded.eos_token_ids)
+    request = Request("r", tuple(prompt), params)
+    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=1, prompt_lookup=None))
+    (result,) = list(engine.generate([request]))
+    stats = engine.stats()
+    assert stats.mtp_proposed > 0 and stats.mtp_accepted > 0
+    plain = Engine.from_loaded(loaded, EngineConfig(max_batch=1, prompt_lookup=None, mtp=False))
+    (expected,) = list(plain.generate([request]))
+    assert result.output_ids == expected.output_ids
