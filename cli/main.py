@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from metrale.cli.generate import generate
+from metrale.cli.train import train_mtp_command
 from metrale.cli.info import info
 
 app = typer.Typer(
@@ -22,4 +23,5 @@ def _root() -> None:
 
 
 app.command(name="generate")(generate)
+app.command(name="train-mtp")(train_mtp_command)
 app.command(name="info")(info)
