@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 
 from metrale.cli.generate import generate
-from metrale.cli.train import train_mtp_command
 from metrale.cli.info import info
+from metrale.cli.train import train_mtp_command
 
 app = typer.Typer(
     name="metrale",
