@@ -43,7 +43,7 @@ def info(
 
         loaded = load_model(model, runtime)
     except (OSError, ValueError) as exc:  # CheckpointError/DefaultModelError are ValueErrors
-        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
+        Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     facts = loaded.info
     table = Table(show_header=False, box=None)
