@@ -56,5 +56,10 @@ bench-lookup: setup
 bench-runtime: setup
 	$(PY) -m metrale.engine.bench_runtime
 
+# The batch engine next to transformers' greedy generate (batch 1 and 16, same
+# dtype and threads), and the engine with speculation over without.
+bench-engine: setup
+	$(PY) -m metrale.engine.bench_engine
+
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,181 @@
+"""Benchmark: the engine against transformers' greedy ``generate``, same run.
+
+``python -m metrale.engine.bench_engine`` loads the default model (or
+``--model FOLDER``) once in metrale's runtime and once in transformers, at the
+same dtype and thread count, and prints ratios measured side by side:
+
+1. batch 1, speculation off: the engine's time per generated token over
+   transformers' (goal: at most 0.8x);
+2. batch 16, speculation off: the engine's tokens/s over transformers'
+   batched, left-padded ``generate`` on the same prompts (goal: at least 2x);
+3. the engine with prompt lookup (and MTP when the model has a head) over the
+   engine without, on an input-grounded workload, with the mean tokens per
+   verify (which counts the bonus token).
+
+Every run generates exactly ``--tokens`` tokens per prompt (EOS is ignored on
+both sides), and each figure is the best of ``--repeats`` runs after a warm-up.
+No assertion is made: this prints figures, it does not test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from metrale.engine.api import Request, SamplingParams
+from metrale.engine.config import EngineConfig, RuntimeConfig
+from metrale.engine.default_model import ensure_default_model
+from metrale.engine.loader import LoadedModel, load_model
+from metrale.engine.scheduler import Engine
+from metrale.lookup import PromptLookupConfig
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain what a hash map is in two sentences.",
+    "List five fruits and their colours.",
+    "What is the capital of France? Answer briefly.",
+    "Give three tips for writing clean Python code.",
+    "Describe a cat to someone who has never seen one.",
+    "Translate 'good morning' into Spanish, French and German.",
+    "Summarise the plot of Romeo and Juliet in one paragraph.",
+    "Why is the sky blue?",
+    "Write a haiku about autumn leaves.",
+    "How do I reverse a list in Python?",
+    "Name three planets and one fact about each.",
+    "What does HTTP stand for?",
+    "Suggest a name for a bakery.",
+    "Explain recursion to a child.",
+    "Write a limerick about a programmer.",
+]
+GROUNDED = (
+    "Rewrite this function with type hints, keeping everything else the same:\n\n"
+    "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n"
+    "        else:\n            out.append(b[j])\n            j += 1\n"
+    "    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n"
+)
+
+
+def best_of(repeats: int, run: Callable[[], object]) -> float:
+    """Seconds of the fastest of ``repeats`` runs, after one warm-up run."""
+    run()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def engine_run(
+    loaded: LoadedModel, config: EngineConfig, prompts: Sequence[Sequence[int]], tokens: int
+) -> Callable[[], Engine]:
+    def run() -> Engine:
+        # No EOS ids: every request generates exactly `tokens` tokens.
+        engine = Engine(loaded.model, None, config, mtp=loaded.mtp)
+        params = SamplingParams(max_tokens=tokens)
+        for _ in engine.generate(Request(str(i), tuple(p), params) for i, p in enumerate(prompts)):
+            pass
+        return engine
+
+    return run
+
+
+def hf_run(
+    model: Any, pad_id: int, prompts: Sequence[Sequence[int]], tokens: int
+) -> Callable[[], None]:
+    width = max(len(p) for p in prompts)
+    # Left padding, as batched generation with a decoder-only model needs.
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def run() -> None:
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+
+    return run
+
+
+def load_hf(folder: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    model.eval()
+    return model
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m metrale.engine.bench_engine")
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint folder")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runtime = RuntimeConfig(
+        device="cpu", dtype=args.dtype, num_slots=args.batch, max_len=512, mtp=True
+    )
+    loaded = load_model(args.model, runtime)
+    folder = args.model or ensure_default_model()
+    hf = load_hf(folder, getattr(torch, loaded.info.dtype))
+    pad_id = loaded.tokenizer.pad_token_id or loaded.eos_token_ids[0]
+    prompts = [chat_ids(loaded.tokenizer, t) for t in PROMPTS]
+    batch = [prompts[i % len(prompts)] for i in range(args.batch)]
+    plain = EngineConfig(max_batch=args.batch, mtp=False, prompt_lookup=None)
+    n = args.tokens
+    print(
+        f"model {loaded.name}, {loaded.info.dtype}, {torch.get_num_threads()} threads, {n} tokens"
+    )
+
+    eng1 = best_of(args.repeats, engine_run(loaded, plain, prompts[:1], n))
+    hf1 = best_of(args.repeats, hf_run(hf, pad_id, prompts[:1], n))
+    print(
+        f"batch 1   engine {1e3 * eng1 / n:7.2f} ms/token   transformers {1e3 * hf1 / n:7.2f} "
+        f"ms/token   ratio {eng1 / hf1:.2f}x  (goal <= 0.8x)"
+    )
+    engb = best_of(args.repeats, engine_run(loaded, plain, batch, n))
+    hfb = best_of(args.repeats, hf_run(hf, pad_id, batch, n))
+    total = n * len(batch)
+    print(
+        f"batch {len(batch):<3} engine {total / engb:7.1f} tok/s      transformers "
+        f"{total / hfb:7.1f} tok/s      ratio {hfb / engb:.2f}x  (goal >= 2x)"
+    )
+
+    grounded = [chat_ids(loaded.tokenizer, GROUNDED)]
+    base = best_of(args.repeats, engine_run(loaded, plain, grounded, 2 * n))
+    spec_cfg = EngineConfig(max_batch=args.batch, prompt_lookup=PromptLookupConfig())
+    spec = engine_run(loaded, spec_cfg, grounded, 2 * n)
+    spec_s = best_of(args.repeats, spec)
+    stats = spec().stats()
+    drafts = "prompt lookup + MTP" if loaded.mtp else "prompt lookup"
+    print(
+        f"grounded  {drafts}: {base / spec_s:.2f}x the engine without speculation; "
+        f"{stats.mean_tokens_per_verify:.2f} tokens per verify (bonus token included)"
+    )
+
+
+if __name__ == "__main__":
+    main()
