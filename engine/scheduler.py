@@ -84,6 +84,7 @@ class Engine:
         self._counters = RunCounters()
         self._copies = LookupStats()
         self._started = time.perf_counter()
+        self._generating = False
         self._snapshot = EngineStats()
 
     @classmethod
@@ -102,14 +103,25 @@ class Engine:
     # -- public API ---------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        """The latest snapshot (published once per step), with the wall time now."""
+        """The latest snapshot (published once per step); while a run goes on,
+        with its wall time up to now."""
         snap = self._snapshot
+        if not self._generating:
+            return snap
         return dataclasses.replace(snap, wall_s=time.perf_counter() - self._started)
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        """Results in completion order; rejected requests at once (module doc)."""
         stream = iter(requests)
+        self._started, self._generating = time.perf_counter(), True
+        try:
+            yield from self._run(stream)
+        finally:
+            self._generating = False
+            self._publish()
+
+    def _run(self, stream: Iterator[Request]) -> Iterator[Result]:
         exhausted = False
-        self._started = time.perf_counter()
         while True:
             # Pull only what the free slots can take this step, so a huge
             # stream is read as it is consumed.
@@ -128,7 +140,6 @@ class Engine:
                 self._waiting.append(request)
             if not (self._waiting or self._prefilling or self._decoding):
                 if exhausted:
-                    self._publish()
                     return
                 continue
             yield from self._step()

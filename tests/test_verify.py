@@ -51,7 +51,7 @@ def test_copy_draft_leaves_first_token_distributed_as_target() -> None:
     # trials the total-variation distance of an exact sampler stays below 0.045
     # (its expectation is about 0.017 here).
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    for draft in range(4):
+    for draft in (0, 3):  # the likeliest and the least likely token
         tv = 0.5 * float((_first_token_histogram(p, draft, None, 3000) - p).abs().sum())
         assert tv < 0.045, (draft, tv)
 
