@@ -49,6 +49,13 @@ typecheck: setup
 
 test: pytest lint typecheck
 
+# metrale against transformers on the sample workloads. Modest by default
+# (batch-1 configurations: 4 prompts a workload; batched: 16; 64 tokens; 3
+# runs); BENCH_ARGS scales it, e.g. BENCH_ARGS="--prompts 16 --max-tokens 128".
+BENCH_ARGS ?= --prompts 4 --max-tokens 64 --repeats 3
+bench: setup
+	$(VENV)/bin/metrale bench $(BENCH_ARGS) --json build/bench.json
+
 bench-lookup: setup
 	$(PY) -m metrale.lookup.bench
 

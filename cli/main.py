@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from metrale.cli.bench import bench
 from metrale.cli.generate import generate
 from metrale.cli.info import info
 from metrale.cli.train import train_mtp_command
@@ -24,4 +25,5 @@ def _root() -> None:
 
 app.command(name="generate")(generate)
 app.command(name="train-mtp")(train_mtp_command)
+app.command(name="bench")(bench)
 app.command(name="info")(info)

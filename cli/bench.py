@@ -1,0 +1,251 @@
+"""`metrale bench`: metrale against transformers, same model, prompts and dtype.
+
+Contract: the command reads each workload (JSONL in either `generate` format;
+default: the sample workloads), tokenizes every line exactly as `generate`
+does (chat template for ``messages``), makes it greedy with ``max_tokens``
+capped at ``--max-tokens`` and stop strings dropped (transformers has no
+equivalent cut), and hands the token ids to ``metrale.engine.bench``. It
+prints one Rich table per workload (or per workload and sweep), writes
+``--json`` and ``--plot`` when asked, and exits 0 when every configuration's
+output equals the reference, 1 when one differs (the first differing request
+is named), 2 on a usage error (bad flag, bad line, missing matplotlib) before
+anything is measured.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+
+from metrale.cli.bench_view import (
+    bench_document,
+    check_plot_available,
+    print_failures,
+    print_reports,
+    print_sweeps,
+    write_json,
+    write_plot,
+)
+from metrale.cli.jsonl import LineDefaults, LineError, LineRef, encode, parse_line
+from metrale.engine.api import Request, SamplingParams
+from metrale.engine.config import MtpLadder, RuntimeConfig
+from metrale.lookup import PromptLookupConfig
+
+if TYPE_CHECKING:
+    from metrale.engine.bench import BenchSettings, WorkloadReport
+    from metrale.engine.bench_runners import Subjects
+    from metrale.engine.bench_sweep import SweepReport, SweepSpec
+
+SAMPLE_DIR = "sample_prompts"
+EXIT_MISMATCH = 1
+
+
+def sample_workloads() -> list[Path]:
+    """``sample_prompts/*.jsonl`` of the working directory, else of the source tree."""
+    for folder in (Path.cwd() / SAMPLE_DIR, Path(__file__).resolve().parents[1] / SAMPLE_DIR):
+        found = sorted(folder.glob("*.jsonl"))
+        if found:
+            return found
+    raise typer.BadParameter(
+        "no sample workloads found (looked for sample_prompts/*.jsonl); pass WORKLOAD files",
+        param_hint="WORKLOAD",
+    )
+
+
+def read_workload(
+    path: Path, tokenizer: Any, max_tokens: int, limit: int | None
+) -> list[tuple[str, tuple[int, ...], int]]:
+    """(request id, prompt ids, max_tokens) of the first ``limit`` lines. Ids are
+    the lines' own (``id`` or ``custom_id``), or ``line N`` when they repeat."""
+    defaults = LineDefaults(params=SamplingParams(max_tokens=max_tokens))
+    out: list[tuple[str, tuple[int, ...], int]] = []
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        if not raw.strip():
+            continue
+        if limit is not None and len(out) >= limit:
+            break
+        ref = LineRef(number, f"{path}:{number}")
+        parsed = parse_line(ref, raw, defaults)
+        encoded = parsed if isinstance(parsed, LineError) else encode(parsed, tokenizer, 1 << 30)
+        if isinstance(encoded, LineError):
+            where = f" ({encoded.field})" if encoded.field else ""
+            raise typer.BadParameter(
+                f"{ref.where}{where}: {encoded.message}", param_hint="WORKLOAD"
+            )
+        assert not isinstance(parsed, LineError)
+        cap = min(max_tokens, encoded.params.max_tokens)
+        out.append((str(parsed.output_id), encoded.prompt_ids, cap))
+    if not out:
+        raise typer.BadParameter(f"{path} holds no prompts", param_hint="WORKLOAD")
+    counts = Counter(rid for rid, _, _ in out)
+    return [
+        (rid if counts[rid] == 1 else f"line {i + 1}", ids, n)
+        for i, (rid, ids, n) in enumerate(out)
+    ]
+
+
+def bench(
+    workloads: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            metavar="WORKLOAD...",
+            help="JSONL workloads (default: the samples).",
+            show_default=False,
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Checkpoint folder (HF layout); default: the embedded SmolLM2-135M-Instruct."
+        ),
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Cap on each line's max_tokens.")] = 64,
+    prompts: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Lines each batch-1 configuration decodes (the first N of each workload); "
+            "batched configurations decode the first --batch lines.",
+        ),
+    ] = 4,
+    repeats: Annotated[
+        int, typer.Option(min=1, help="Timed runs per configuration; the median counts.")
+    ] = 3,
+    batch: Annotated[int, typer.Option(min=2, help="The batched configurations' batch size.")] = 16,
+    hf_lookup_tokens: Annotated[
+        int, typer.Option(min=1, help="transformers' prompt_lookup_num_tokens.")
+    ] = 10,
+    mtp_drafts: Annotated[
+        str, typer.Option(help="metrale's MTP ladder, as in `generate`.")
+    ] = "8:3,15:2,1",
+    prompt_lookup_max_drafts: Annotated[int, typer.Option(help="As in `generate`.")] = 8,
+    prompt_lookup_max_seqs: Annotated[int, typer.Option(help="As in `generate`.")] = 8,
+    prompt_lookup_ngram: Annotated[int, typer.Option(help="As in `generate`.")] = 4,
+    prompt_lookup_min_match: Annotated[int, typer.Option(help="As in `generate`.")] = 8,
+    sweep: Annotated[
+        str | None,
+        typer.Option(
+            help="Instead of the comparison: tune one setting, e.g. "
+            "'prompt-lookup-max-drafts=1,2,4,8,16' (also prompt-lookup-ngram, "
+            "prompt-lookup-min-match, mtp-drafts).",
+        ),
+    ] = None,
+    sweep_batch: Annotated[int, typer.Option(min=1, help="Batch size of a sweep.")] = 1,
+    device: Annotated[
+        str | None, typer.Option(help="cpu, cuda ... (default: CUDA if available).")
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16, float16 (default: per device).")
+    ] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write the figures here.")
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Bar chart of speedups (PNG; needs matplotlib).")
+    ] = None,
+) -> None:
+    """Measure metrale against transformers on the same model, prompts and dtype."""
+    from metrale.engine.bench import BenchSettings
+    from metrale.engine.bench_sweep import parse_sweep
+
+    try:
+        settings = BenchSettings(
+            repeats=repeats,
+            batch=batch,
+            single_prompts=prompts,
+            hf_lookup_tokens=hf_lookup_tokens,
+            prompt_lookup=PromptLookupConfig(
+                ngram=prompt_lookup_ngram,
+                max_drafts=prompt_lookup_max_drafts,
+                max_seqs=prompt_lookup_max_seqs,
+                min_match=prompt_lookup_min_match,
+            ),
+            mtp_ladder=MtpLadder.parse(mtp_drafts),
+        )
+        spec = parse_sweep(sweep) if sweep is not None else None
+        runtime = RuntimeConfig(device=device, dtype=dtype)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if plot is not None:
+        check_plot_available()
+    paths = list(workloads or sample_workloads())
+    for path in paths:
+        if not path.is_file():
+            raise typer.BadParameter(f"no such file: {path}", param_hint="WORKLOAD")
+    err, out = Console(stderr=True), Console()
+    run = _measure(paths, model, runtime, settings, spec, sweep_batch, max_tokens, err)
+    subjects, reports, sweeps = run
+    if sweeps:
+        print_sweeps(out, sweeps)
+    else:
+        print_reports(out, reports, subjects.single.info)
+    failed = print_failures(out, reports, sweeps, subjects.single.tokenizer)
+    document = bench_document(subjects.single.info, settings, reports, sweeps)
+    if json_path is not None:
+        write_json(json_path, document)
+        err.print(f"figures written to {json_path}")
+    if plot is not None and reports:
+        write_plot(plot, reports)
+        err.print(f"chart written to {plot}")
+    raise typer.Exit(EXIT_MISMATCH if failed else 0)
+
+
+def _measure(
+    paths: list[Path],
+    model: str | None,
+    runtime: RuntimeConfig,
+    settings: BenchSettings,
+    spec: SweepSpec | None,
+    sweep_batch: int,
+    max_tokens: int,
+    err: Console,
+) -> tuple[Subjects, tuple[WorkloadReport, ...], tuple[SweepReport, ...]]:
+    """Loads both sides with KV slots sized to the workloads, then measures."""
+    from transformers import AutoTokenizer
+
+    from metrale.engine.bench import Workload, run_bench
+    from metrale.engine.bench_runners import checkpoint_folder, load_subjects
+    from metrale.engine.bench_sweep import run_sweep
+
+    try:
+        folder = checkpoint_folder(model)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"cannot load it: {exc}", param_hint="--model") from exc
+    limit = max(settings.single_prompts or 0, settings.batch, sweep_batch)
+    lines = {path.stem: read_workload(path, tokenizer, max_tokens, limit) for path in paths}
+    longest = max(len(ids) + n for rows in lines.values() for _, ids, n in rows)
+    # Slots just long enough for the longest line: the default model's 8k
+    # context times 16 slots would hold gigabytes of KV cache for nothing.
+    runtime = replace(runtime, max_len=-(-(longest + 1) // 64) * 64, mtp=True)
+    err.print(
+        f"metrale bench: loading {model or 'the embedded default model'} twice (metrale, transformers)..."
+    )
+    try:
+        subjects = load_subjects(model, runtime, max(settings.batch, sweep_batch))
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"cannot load it: {exc}", param_hint="--model") from exc
+    eos = tuple(subjects.single.eos_token_ids)
+    workloads = [
+        Workload(
+            name,
+            tuple(
+                Request(rid, ids, SamplingParams(max_tokens=n, eos_token_ids=eos))
+                for rid, ids, n in rows
+            ),
+        )
+        for name, rows in lines.items()
+    ]
+    with err.status("measuring...") as status:
+        if spec is not None:
+            try:
+                sweeps = run_sweep(workloads, spec, settings, subjects, sweep_batch, status.update)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--sweep") from exc
+            return subjects, (), sweeps
+        return subjects, run_bench(workloads, settings, subjects, status.update), ()

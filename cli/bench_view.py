@@ -1,0 +1,245 @@
+"""How `metrale bench` shows its figures: Rich tables, failures, JSON, a chart.
+
+Contract: nothing here measures; it renders ``metrale.engine.bench`` and
+``bench_sweep`` reports. Tables go to the console given (standard output);
+the JSON document holds every figure of the tables plus each run's wall time,
+the settings and the definitions of the figures; the chart (matplotlib, an
+optional extra) shows each configuration's speedup over transformers greedy
+at the same batch size, per workload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from metrale.engine.bench import BenchSettings, Figures, Mismatch, WorkloadReport
+    from metrale.engine.bench_sweep import SweepReport
+    from metrale.engine.loader import ModelInfo
+
+DASH = "—"
+DEFINITIONS = {
+    "tokens_per_s": "generated tokens / median wall time of the timed runs",
+    "ratio": "tokens/s over transformers greedy at the same batch size, same run",
+    "mean_tokens_per_verify": "metrale: (accepted drafts + 1 bonus token) per sequence verify; "
+    "plain decoding scores 1.0",
+    "passes_per_token": "forward passes of the main model (prefill included; one batched pass "
+    "counts once) per generated token",
+    "copies": "prompt-lookup copies verified / tokens proposed / tokens accepted",
+    "mtp_acceptance": "accepted / proposed MTP drafts at chain depth 1, 2, ...",
+    "peak_mb": "CPU: weights + preallocated KV slots + resident-set high-water above the idle "
+    "process during the run (sampled every 5 ms); CUDA: torch.cuda.max_memory_allocated",
+    "reference": "every output is compared with transformers greedy at batch 1",
+}
+
+
+def _num(value: float | None, fmt: str = ".2f") -> str:
+    return DASH if value is None else format(value, fmt)
+
+
+def _output_cell(f: Figures) -> str:
+    if f.key == "hf-greedy-b1":
+        return "reference"
+    if f.mismatch is None:
+        return "[green]equal[/]"
+    if not f.is_failure:
+        return f"[yellow]differs ({f.mismatch.request_id}), note[/]"
+    return f"[bold red]DIFFERS ({f.mismatch.request_id})[/]"
+
+
+def workload_table(report: WorkloadReport, info: ModelInfo, repeats: int) -> Table:
+    table = Table(
+        title=f"{report.name}: {report.num_requests} prompts, greedy, {info.dtype} on "
+        f"{info.device}, median of {repeats} runs",
+        title_justify="left",
+    )
+    for name in ("configuration", "batch", "tok/s", "× HF greedy", "tok/verify"):
+        table.add_column(name, justify="left" if name == "configuration" else "right")
+    for name in ("passes/tok", "copies/prop/acc", "MTP acc. by depth", "peak MB", "output"):
+        table.add_column(name, justify="right")
+    for f in report.figures:
+        if not f.available:
+            table.add_row(f.label, str(f.batch), DASH, DASH, DASH, DASH, DASH, DASH, DASH, f.note)
+            continue
+        copies = DASH if f.copies is None else f"{f.copies}/{f.copy_proposed}/{f.copy_accepted}"
+        mtp = " ".join(f"{a:.2f}" for a in f.mtp_acceptance) or DASH
+        table.add_row(
+            f.label,
+            str(f.batch),
+            f"{f.tokens_per_s:.1f}",
+            DASH if f.ratio is None else f"{f.ratio:.2f}x",
+            _num(f.mean_tokens_per_verify),
+            _num(f.passes_per_token, ".3f"),
+            copies,
+            mtp,
+            _num(f.peak_mb, ".0f"),
+            _output_cell(f),
+        )
+    return table
+
+
+def print_reports(console: Console, reports: Sequence[WorkloadReport], info: ModelInfo) -> None:
+    for report in reports:
+        repeats = len(report.figures[0].wall_s) if report.figures else 0
+        console.print(workload_table(report, info, repeats))
+    console.print(
+        "tok/verify counts the bonus token (1.00 = no draft accepted); passes/tok counts "
+        "prefill and batched passes once; peak MB: "
+        + DEFINITIONS["peak_mb"]
+        + ". Reference: transformers greedy, batch 1.",
+        style="dim",
+    )
+
+
+def sweep_table(report: SweepReport) -> Table:
+    table = Table(
+        title=f"{report.workload}: sweep {report.parameter}, batch {report.batch}; peer: metrale "
+        f"with speculation off, {report.peer_tokens_per_s:.1f} tok/s",
+        title_justify="left",
+    )
+    for name in ("value", "tok/s", "× off", "tok/verify", "copy acc.", "MTP acc.", "output", ""):
+        table.add_column(name, justify="right")
+    for p in report.points:
+        table.add_row(
+            str(p.value),
+            f"{p.tokens_per_s:.1f}",
+            f"{p.ratio:.2f}x",
+            f"{p.mean_tokens_per_verify:.2f}",
+            _num(p.copy_acceptance),
+            _num(p.mtp_acceptance),
+            "[green]equal[/]"
+            if p.mismatch is None
+            else f"[bold red]DIFFERS ({p.mismatch.request_id})[/]",
+            "[bold]★ best[/]" if p.best else "",
+        )
+    return table
+
+
+def print_sweeps(console: Console, sweeps: Sequence[SweepReport]) -> None:
+    for report in sweeps:
+        console.print(sweep_table(report))
+    console.print("Acceptance: accepted / proposed tokens; best: highest tok/s.", style="dim")
+
+
+def print_failures(
+    console: Console,
+    reports: Sequence[WorkloadReport],
+    sweeps: Sequence[SweepReport],
+    tokenizer: Any,
+) -> bool:
+    """Prints every output difference; returns True when one is a failure."""
+    failed = False
+    for report in reports:
+        for f in report.figures:
+            if f.mismatch is None:
+                continue
+            failed = failed or f.is_failure
+            head = "FAILED" if f.is_failure else "note"
+            who = f"{f.label} (batch {f.batch}) on {report.name}"
+            console.print(
+                f"[{'bold red' if f.is_failure else 'yellow'}]{head}[/]: {who}: "
+                + _diff(f.mismatch, tokenizer)
+            )
+            if not f.is_failure:
+                console.print(
+                    "  (transformers' own left-padded batch; not a metrale failure)", style="dim"
+                )
+    for sweep in sweeps:
+        for p in sweep.failures:
+            assert p.mismatch is not None
+            failed = True
+            who = f"{sweep.parameter}={p.value} on {sweep.workload}"
+            console.print(f"[bold red]FAILED[/]: {who}: " + _diff(p.mismatch, tokenizer))
+    return failed
+
+
+def _diff(m: Mismatch, tokenizer: Any) -> str:
+    def text(ids: Sequence[int]) -> str:
+        return repr(str(tokenizer.decode(list(ids[m.position : m.position + 12]))))
+
+    return (
+        f"request {m.request_id} differs from output token {m.position}: "
+        f"expected {text(m.expected)}, got {text(m.got)}"
+    )
+
+
+def bench_document(
+    info: ModelInfo,
+    settings: BenchSettings,
+    reports: Sequence[WorkloadReport],
+    sweeps: Sequence[SweepReport],
+) -> dict[str, Any]:
+    return {
+        "model": info.name,
+        "dtype": info.dtype,
+        "device": info.device,
+        "mtp_layout": info.mtp_layout,
+        "settings": dataclasses.asdict(settings),
+        "definitions": DEFINITIONS,
+        "workloads": [dataclasses.asdict(r) for r in reports],
+        "sweeps": [dataclasses.asdict(s) for s in sweeps],
+        "failures": [
+            {"workload": r.name, "configuration": f.key, "request_id": f.mismatch.request_id}
+            for r in reports
+            for f in r.failures
+            if f.mismatch is not None
+        ]
+        + [
+            {
+                "workload": s.workload,
+                "configuration": f"{s.parameter}={p.value}",
+                "request_id": p.mismatch.request_id,
+            }
+            for s in sweeps
+            for p in s.failures
+            if p.mismatch is not None
+        ],
+    }
+
+
+def write_json(path: Path, document: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+
+
+def check_plot_available() -> None:
+    """Fails before measuring, not after an hour of it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise typer.BadParameter(
+            "needs matplotlib, an optional extra: pip install 'metrale[plot]'",
+            param_hint="--plot",
+        ) from None
+
+
+def write_plot(path: Path, reports: Sequence[WorkloadReport]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write the file only
+    import matplotlib.pyplot as plt
+
+    keys = [f.key for f in reports[0].figures if not f.key.startswith("hf-greedy-")]
+    labels = {f.key: f"{f.label} (b{f.batch})" for f in reports[0].figures}
+    width = 0.8 / max(len(keys), 1)
+    fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(reports)), 5))
+    for i, key in enumerate(keys):
+        ratios = [next((f.ratio or 0.0 for f in r.figures if f.key == key), 0.0) for r in reports]
+        xs = [x + (i - (len(keys) - 1) / 2) * width for x in range(len(reports))]
+        ax.bar(xs, ratios, width, label=labels[key])
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(reports)), [r.name for r in reports])
+    ax.set_ylabel("speedup over transformers greedy, same batch size")
+    ax.legend(fontsize="x-small", ncols=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

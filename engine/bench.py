@@ -1,0 +1,379 @@
+"""The measuring core of `metrale bench`: metrale against transformers, one process.
+
+Contract: ``run_bench`` runs every configuration of ``configurations(settings)``
+on every workload, in one process, on the same loaded checkpoint, dtype and
+prompt ids. Batch-1 configurations decode the workload's first
+``single_prompts`` requests one at a time; batched ones the first ``batch``
+requests together (so "batch 16" really has 16 in flight). Per workload: one
+untimed warm-up run of each configuration (a few requests, a few tokens),
+then ``repeats`` timed runs per configuration, the configurations taking
+turns (rep 1 of each, then rep 2 of each, in rotated order), so drift on a
+shared machine hits all of them alike. Figures come from the median run.
+
+Outputs are greedy. Every run of every configuration is compared token for
+token with transformers greedy at batch 1, the reference (its first timed
+run, plus one untimed run for requests only the batched configurations
+decode): any difference is a failure of the bench, reported with the first
+differing request. transformers' own batched run (left padding) may
+legitimately differ in float arithmetic; its differences are reported as a
+note, not a failure.
+
+Figures (``Figures``): tokens/s = generated tokens / median wall time;
+``ratio`` = tokens/s over transformers greedy at the same batch size;
+``mean_tokens_per_verify`` is the engine's (accepted drafts + the bonus
+token per sequence verify, so plain decoding scores 1.0; metrale only);
+``passes_per_token`` = forward passes of the main model (prefill included,
+one batched pass counts once) per generated token; ``peak_mb`` is described in
+``bench_memory`` plus the weights and preallocated caches the configuration
+holds (on CPU; CUDA's figure includes them already).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from metrale.engine.api import Request
+from metrale.engine.bench_memory import PeakMemory
+from metrale.engine.bench_runners import (
+    HfRunner,
+    MetraleRunner,
+    RunOutcome,
+    Subjects,
+    hf_weight_bytes,
+    resident_state_bytes,
+)
+from metrale.engine.config import EngineConfig, MtpLadder
+from metrale.lookup import PromptLookupConfig
+
+Side = Literal["transformers", "metrale"]
+Speculation = Literal["off", "mtp", "lookup", "both"]
+REFERENCE = "hf-greedy-b1"
+NO_MTP = "n/a: the model has no MTP layers"
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """How the bench runs; metrale's speculation settings mirror `generate`'s flags."""
+
+    repeats: int = 3
+    batch: int = 16
+    single_prompts: int | None = None  # None: every request of the workload
+    hf_lookup_tokens: int = 10
+    warmup_tokens: int = 8
+    prompt_lookup: PromptLookupConfig = field(default_factory=PromptLookupConfig)
+    mtp_ladder: MtpLadder = field(default_factory=MtpLadder)
+
+    def __post_init__(self) -> None:
+        if self.single_prompts is not None and self.single_prompts < 1:
+            raise ValueError("--prompts must be at least 1")
+        if self.repeats < 1:
+            raise ValueError("--repeats must be at least 1")
+        if self.batch < 2:
+            raise ValueError("--batch must be at least 2 (batch 1 is always measured)")
+        if self.hf_lookup_tokens < 1:
+            raise ValueError("--hf-lookup-tokens must be at least 1")
+        if self.warmup_tokens < 1:
+            raise ValueError("warm-up needs at least 1 token")
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One row of a table: who decodes, at which batch size, with which drafts."""
+
+    key: str
+    label: str
+    side: Side
+    batch: int
+    speculation: Speculation = "off"
+    hf_lookup_tokens: int = 0  # transformers' prompt_lookup_num_tokens; 0: off
+
+    @property
+    def uses_mtp(self) -> bool:
+        return self.speculation in ("mtp", "both")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Named greedy requests; every configuration gets exactly these ids."""
+
+    name: str
+    requests: tuple[Request, ...]
+
+    def requests_for(self, batch: int, single_prompts: int | None) -> tuple[Request, ...]:
+        """What a configuration of ``batch`` decodes (see the module doc)."""
+        return self.requests[: single_prompts if batch == 1 else batch]
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first request (in workload order) whose output differs from the
+    reference; ``position`` is the index of the first differing output token."""
+
+    request_id: str
+    position: int
+    expected: tuple[int, ...]
+    got: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One configuration on one workload (see the module doc for definitions).
+    ``available`` is False when it could not run (``note`` says why)."""
+
+    key: str
+    label: str
+    side: Side
+    batch: int
+    available: bool = True
+    note: str = ""
+    wall_s: tuple[float, ...] = ()
+    generated_tokens: int = 0
+    tokens_per_s: float = 0.0
+    ratio: float | None = None
+    mean_tokens_per_verify: float | None = None
+    passes_per_token: float | None = None
+    copies: int | None = None
+    copy_proposed: int | None = None
+    copy_accepted: int | None = None
+    mtp_acceptance: tuple[float, ...] = ()  # accepted / proposed at chain depth 1, 2, ...
+    peak_mb: float | None = None
+    mismatch: Mismatch | None = None
+
+    @property
+    def is_failure(self) -> bool:
+        """A difference from the reference, except transformers' own batched run."""
+        return self.mismatch is not None and not (self.side == "transformers" and self.batch > 1)
+
+
+@dataclass(frozen=True)
+class WorkloadReport:
+    name: str
+    num_requests: int
+    figures: tuple[Figures, ...]
+
+    @property
+    def failures(self) -> tuple[Figures, ...]:
+        return tuple(f for f in self.figures if f.is_failure)
+
+
+def configurations(settings: BenchSettings) -> tuple[Configuration, ...]:
+    """The issue's set: transformers greedy at 1 and ``batch``, its prompt
+    lookup at 1, and metrale off / MTP / lookup / both at 1 and ``batch``."""
+    b = settings.batch
+    hf_pl = f"transformers prompt lookup ({settings.hf_lookup_tokens})"
+    rows = [
+        Configuration(REFERENCE, "transformers greedy", "transformers", 1),
+        Configuration("hf-lookup-b1", hf_pl, "transformers", 1, "off", settings.hf_lookup_tokens),
+    ]
+    rows += _metrale_rows(1)
+    rows.append(Configuration(f"hf-greedy-b{b}", "transformers greedy", "transformers", b))
+    rows += _metrale_rows(b)
+    return tuple(rows)
+
+
+def _metrale_rows(batch: int) -> list[Configuration]:
+    labels: dict[Speculation, str] = {
+        "off": "metrale, speculation off",
+        "mtp": "metrale, MTP only",
+        "lookup": "metrale, prompt lookup only",
+        "both": "metrale, MTP + prompt lookup",
+    }
+    return [
+        Configuration(f"metrale-{mode}-b{batch}", label, "metrale", batch, mode)
+        for mode, label in labels.items()
+    ]
+
+
+def engine_config(
+    settings: BenchSettings, batch: int, speculation: Speculation, lookup: PromptLookupConfig
+) -> EngineConfig:
+    return EngineConfig(
+        max_batch=batch,
+        mtp=speculation in ("mtp", "both"),
+        mtp_ladder=settings.mtp_ladder,
+        prompt_lookup=lookup if speculation in ("lookup", "both") else None,
+    )
+
+
+def run_bench(
+    workloads: Sequence[Workload],
+    settings: BenchSettings,
+    subjects: Subjects,
+    progress: Progress | None = None,
+) -> tuple[WorkloadReport, ...]:
+    return tuple(bench_workload(w, settings, subjects, progress) for w in workloads)
+
+
+def bench_workload(
+    workload: Workload,
+    settings: BenchSettings,
+    subjects: Subjects,
+    progress: Progress | None = None,
+) -> WorkloadReport:
+    configs = configurations(settings)
+    runnable = [c for c in configs if subjects.has_mtp or not c.uses_mtp]
+    runners = {c.key: _runner(c, settings, subjects) for c in runnable}
+    runs = timed_runs(workload, runnable, runners, settings, subjects, progress)
+    reference = dict(runs[REFERENCE][0][0].outputs)
+    rest = [r for r in workload.requests[: settings.batch] if r.request_id not in reference]
+    if rest:
+        _say(progress, f"{workload.name}: reference outputs of the batch-only requests")
+        reference.update(runners[REFERENCE].run(rest).outputs)
+    figures = [
+        _figures(c, runs[c.key], reference, subjects, workload, settings)
+        if c.key in runs
+        else Figures(c.key, c.label, c.side, c.batch, available=False, note=NO_MTP)
+        for c in configs
+    ]
+    return WorkloadReport(workload.name, len(workload.requests), tuple(_with_ratios(figures)))
+
+
+Runner = MetraleRunner | HfRunner
+TimedRuns = dict[str, list[tuple[RunOutcome, int | None]]]
+
+
+def timed_runs(
+    workload: Workload,
+    configs: Sequence[Configuration],
+    runners: dict[str, Runner],
+    settings: BenchSettings,
+    subjects: Subjects,
+    progress: Progress | None,
+) -> TimedRuns:
+    """Warm-up, then ``repeats`` rounds in which every configuration runs once
+    (rotated order). Returns each configuration's (outcome, peak bytes) per round."""
+    meter = PeakMemory(subjects.device)
+    for config in configs:
+        _say(progress, f"{workload.name}: warm-up, {config.label} (batch {config.batch})")
+        warmup = warmup_requests(workload, config.batch, settings.warmup_tokens)
+        runners[config.key].run(warmup)
+    runs: TimedRuns = {c.key: [] for c in configs}
+    for rep in range(settings.repeats):
+        shift = rep % len(configs)
+        for config in [*configs[shift:], *configs[:shift]]:
+            _say(
+                progress,
+                f"{workload.name}: run {rep + 1}/{settings.repeats}, "
+                f"{config.label} (batch {config.batch})",
+            )
+            requests = workload.requests_for(config.batch, settings.single_prompts)
+            with meter.measure():
+                outcome = runners[config.key].run(requests)
+            runs[config.key].append((outcome, meter.peak_bytes))
+    return runs
+
+
+def warmup_requests(workload: Workload, batch: int, tokens: int) -> list[Request]:
+    """The first ``batch`` requests, cut to ``tokens`` new tokens each."""
+    return [
+        replace(r, params=replace(r.params, max_tokens=min(tokens, r.params.max_tokens)))
+        for r in workload.requests[:batch]
+    ]
+
+
+def first_mismatch(
+    reference: dict[str, tuple[int, ...]], outputs: dict[str, tuple[int, ...]], order: Sequence[str]
+) -> Mismatch | None:
+    """The first request of ``order`` whose output differs from the reference."""
+    for request_id in order:
+        expected, got = reference[request_id], outputs.get(request_id, ())
+        if expected != got:
+            position = next(
+                (i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b),
+                min(len(expected), len(got)),
+            )
+            return Mismatch(request_id, position, expected, got)
+    return None
+
+
+def _runner(config: Configuration, settings: BenchSettings, subjects: Subjects) -> Runner:
+    if config.side == "transformers":
+        pad_id = _pad_id(subjects)
+        return HfRunner(subjects.hf_model, pad_id, config.batch, config.hf_lookup_tokens)
+    loaded = subjects.single if config.batch == 1 else subjects.batched
+    cfg = engine_config(settings, config.batch, config.speculation, settings.prompt_lookup)
+    return MetraleRunner(loaded, cfg)
+
+
+def _pad_id(subjects: Subjects) -> int:
+    pad = getattr(subjects.single.tokenizer, "pad_token_id", None)
+    if pad is None:  # padded positions are masked: any id works, EOS is customary
+        pad = subjects.single.eos_token_ids[0] if subjects.single.eos_token_ids else 0
+    return int(pad)
+
+
+def _figures(
+    config: Configuration,
+    runs: list[tuple[RunOutcome, int | None]],
+    reference: dict[str, tuple[int, ...]],
+    subjects: Subjects,
+    workload: Workload,
+    settings: BenchSettings,
+) -> Figures:
+    order = [r.request_id for r in workload.requests_for(config.batch, settings.single_prompts)]
+    mismatch = None
+    for outcome, _ in runs:
+        mismatch = mismatch or first_mismatch(reference, outcome.outputs, order)
+    walls = tuple(outcome.wall_s for outcome, _ in runs)
+    first = runs[0][0]
+    figures = Figures(
+        config.key,
+        config.label,
+        config.side,
+        config.batch,
+        wall_s=walls,
+        generated_tokens=first.generated_tokens,
+        tokens_per_s=first.generated_tokens / statistics.median(walls),
+        passes_per_token=first.forward_passes / max(first.generated_tokens, 1),
+        peak_mb=_peak_mb(config, runs, subjects),
+        mismatch=mismatch,
+    )
+    stats = first.stats
+    if stats is None:
+        return figures
+    acceptance = tuple(
+        a / p if p else 0.0
+        for a, p in zip(stats.mtp_accepted_by_position, stats.mtp_proposed_by_position, strict=True)
+    )
+    return replace(
+        figures,
+        mean_tokens_per_verify=stats.mean_tokens_per_verify,
+        copies=stats.copies,
+        copy_proposed=stats.copy_proposed,
+        copy_accepted=stats.copy_accepted,
+        mtp_acceptance=acceptance,
+    )
+
+
+def _peak_mb(
+    config: Configuration, runs: list[tuple[RunOutcome, int | None]], subjects: Subjects
+) -> float | None:
+    peaks = [p for _, p in runs if p is not None]
+    if not peaks:
+        return None
+    held = 0
+    if subjects.device.type != "cuda":  # CUDA's high-water already holds them
+        if config.side == "transformers":
+            held = hf_weight_bytes(subjects.hf_model)
+        else:
+            held = resident_state_bytes(subjects.single if config.batch == 1 else subjects.batched)
+    return (max(peaks) + held) / 2**20
+
+
+def _with_ratios(figures: list[Figures]) -> list[Figures]:
+    peers = {f.batch: f.tokens_per_s for f in figures if f.key.startswith("hf-greedy-")}
+    return [
+        replace(f, ratio=f.tokens_per_s / peers[f.batch])
+        if f.available and peers.get(f.batch)
+        else f
+        for f in figures
+    ]
+
+
+def _say(progress: Progress | None, message: str) -> None:
+    if progress is not None:
+        progress(message)

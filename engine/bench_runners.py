@@ -1,0 +1,193 @@
+"""The two sides of `metrale bench`: transformers ``generate`` and metrale's engine.
+
+Contract: a runner takes greedy ``Request``s (token ids, ``max_tokens``, EOS
+ids) and returns every request's output ids, the wall time of the whole run
+and the number of forward passes of the main model (prefill included). Output
+ids follow the engine's rule on both sides: generated tokens up to and
+including the first EOS, at most ``max_tokens`` of them; padding is never
+counted. Both sides see exactly the same prompt ids, the same checkpoint
+folder and the same dtype; neither sees text.
+
+``Subjects`` loads what a bench compares once: the transformers model from
+the checkpoint folder (the embedded default's converted cache folder when no
+folder is given) and metrale's runtime at batch 1 and at the batch size under
+test (separate runtimes, so the batch-1 figures do not carry 16 KV slots).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from metrale.engine.api import Request
+from metrale.engine.config import EngineConfig, RuntimeConfig
+from metrale.engine.loader import LoadedModel, load_model
+from metrale.engine.scheduler import Engine
+from metrale.engine.stats import EngineStats
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """One timed run. ``stats`` is metrale's snapshot (None for transformers)."""
+
+    outputs: dict[str, tuple[int, ...]]
+    wall_s: float
+    forward_passes: int
+    stats: EngineStats | None = None
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(ids) for ids in self.outputs.values())
+
+
+@dataclass
+class Subjects:
+    """The loaded models one bench compares (see module doc)."""
+
+    folder: Path
+    hf_model: Any  # transformers PreTrainedModel, eval mode
+    single: LoadedModel  # metrale at batch 1
+    batched: LoadedModel  # metrale at the batch size under test
+    batch: int
+
+    @property
+    def has_mtp(self) -> bool:
+        return bool(self.single.mtp)
+
+    @property
+    def device(self) -> torch.device:
+        return self.single.model.device
+
+
+def checkpoint_folder(source: str | Path | None) -> Path:
+    """The folder transformers reads: ``source``, or the embedded model's cache."""
+    if source is not None:
+        return Path(source).expanduser()
+    from metrale.engine.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def load_subjects(source: str | Path | None, runtime: RuntimeConfig, batch: int) -> Subjects:
+    """Loads both sides on ``runtime``'s device and dtype; ``runtime.num_slots``
+    is overridden per side (1 and ``batch``)."""
+    from transformers import AutoModelForCausalLM
+
+    single = load_model(source, replace(runtime, num_slots=1))
+    batched = load_model(source, replace(runtime, num_slots=batch))
+    folder = checkpoint_folder(source)
+    dtype = getattr(torch, single.info.dtype)
+    hf_model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    hf_model = hf_model.to(single.model.device).eval()
+    return Subjects(folder, hf_model, single, batched, batch)
+
+
+def resident_state_bytes(loaded: LoadedModel) -> int:
+    """Weights (main + MTP) and the preallocated KV slots of a metrale runtime."""
+    itemsize = getattr(torch, loaded.info.dtype).itemsize
+    kv = loaded.info.kv_bytes_per_token * loaded.info.max_len * loaded.info.num_slots
+    return loaded.info.parameters * itemsize + kv
+
+
+def hf_weight_bytes(hf_model: Any) -> int:
+    """Distinct parameter bytes (a tied LM head counted once)."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in hf_model.parameters()}
+    return sum(seen.values())
+
+
+class MetraleRunner:
+    """A fresh ``Engine`` per run, so figures and caches start from zero."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded, self.config = loaded, config
+
+    def run(self, requests: Sequence[Request]) -> RunOutcome:
+        engine = Engine.from_loaded(self.loaded, self.config)
+        started = time.perf_counter()
+        results = list(engine.generate(requests))
+        wall_s = time.perf_counter() - started
+        failed = [r for r in results if r.error is not None]
+        if failed:
+            raise RuntimeError(f"metrale refused request {failed[0].request_id}: {failed[0].error}")
+        stats = engine.stats()
+        return RunOutcome(
+            outputs={r.request_id: r.output_ids for r in results},
+            wall_s=wall_s,
+            forward_passes=stats.prefills + stats.verifies,
+            stats=stats,
+        )
+
+
+class HfRunner:
+    """transformers ``generate``, greedy, ``batch`` requests per call (left
+    padded), optionally with its prompt-lookup decoding (batch 1 only)."""
+
+    def __init__(
+        self, hf_model: Any, pad_id: int, batch: int = 1, prompt_lookup_tokens: int = 0
+    ) -> None:
+        if prompt_lookup_tokens and batch != 1:
+            raise ValueError("transformers' prompt lookup decodes one sequence at a time")
+        self.model, self.pad_id = hf_model, pad_id
+        self.batch, self.prompt_lookup_tokens = batch, prompt_lookup_tokens
+        self.passes = 0
+
+    def _count(self, *_: Any) -> None:
+        self.passes += 1
+
+    def run(self, requests: Sequence[Request]) -> RunOutcome:
+        outputs: dict[str, tuple[int, ...]] = {}
+        self.passes = 0
+        # Every top-level call of the model is one forward pass of it.
+        hook = self.model.register_forward_pre_hook(self._count)
+        try:
+            started = time.perf_counter()
+            for at in range(0, len(requests), self.batch):
+                outputs.update(self._generate(requests[at : at + self.batch]))
+            wall_s = time.perf_counter() - started
+        finally:
+            hook.remove()
+        return RunOutcome(outputs, wall_s, self.passes)
+
+    def _generate(self, chunk: Sequence[Request]) -> dict[str, tuple[int, ...]]:
+        device = self.model.device
+        width = max(len(r.prompt_ids) for r in chunk)
+        ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)  # [batch, width]
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)  # [batch, width]
+        for row, request in enumerate(chunk):
+            # Left padding: every row's last prompt token sits in the last column.
+            ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
+            mask[row, width - len(request.prompt_ids) :] = 1
+        eos = sorted({e for r in chunk for e in r.params.eos_token_ids})
+        extra: dict[str, Any] = {}
+        if self.prompt_lookup_tokens:
+            extra["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=max(r.params.max_tokens for r in chunk),
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                eos_token_id=eos or None,
+                pad_token_id=self.pad_id,
+                **extra,
+            )  # [batch, width + new]
+        new = out[:, width:].tolist()
+        return {r.request_id: _cut(row, r) for r, row in zip(chunk, new, strict=True)}
+
+
+def _cut(generated: list[int], request: Request) -> tuple[int, ...]:
+    """The engine's rule: up to and including the first EOS, at most max_tokens."""
+    kept: list[int] = []
+    for token in generated[: request.params.max_tokens]:
+        kept.append(token)
+        if token in request.params.eos_token_ids:
+            break
+    return tuple(kept)
