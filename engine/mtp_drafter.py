@@ -76,11 +76,15 @@ class MtpDrafter:
         chain_hidden = out.hidden[ends[index].to(out.hidden.device)]  # [num_live, hidden_size]
         depth = 0
         while live:
+            argmax = logits.argmax(dim=-1).tolist()  # [num_live]: one device sync a depth
             for k, i in enumerate(live):
-                token, q = _draft_one(feeds[i].seq, logits[k])
+                seq = feeds[i].seq
+                if seq.request.params.greedy:
+                    drafts[i].append(argmax[k])
+                    continue
+                token, q = _sample_draft(seq, logits[k])
                 drafts[i].append(token)
-                if q is not None:
-                    probs[i].append(q)
+                probs[i].append(q)
             depth += 1
             keep = [k for k, i in enumerate(live) if feeds[i].num_drafts > depth]
             if not keep:
@@ -102,15 +106,12 @@ class MtpDrafter:
             feed.seq.set_drafts(drafts[i], torch.stack(probs[i]) if probs[i] else None)
 
 
-def _draft_one(
+def _sample_draft(
     seq: SeqState,
     logits: torch.Tensor,  # [vocab]
-) -> tuple[int, torch.Tensor | None]:
-    """A greedy draft is the argmax; a sampled request draws its draft from the
-    module's distribution shaped like the target (and keeps it as ``q``)."""
-    params = seq.request.params
-    if params.greedy:
-        return int(logits.argmax()), None
+) -> tuple[int, torch.Tensor]:
+    """A sampled request draws its draft from the module's distribution shaped
+    like the target (temperature, top-k, top-p) and keeps it as ``q``."""
     assert seq.generator is not None, "a sampled request carries its generator"
-    q = target_probs(logits[None, :], params)[0]  # [vocab]
+    q = target_probs(logits[None, :], seq.request.params)[0]  # [vocab]
     return draw(q, seq.generator), q
