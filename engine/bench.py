@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from metrale.engine.api import Request
-from metrale.engine.bench_memory import PeakMemory
+from metrale.engine.bench_memory import PeakMemory, frozen_heap
 from metrale.engine.bench_runners import (
     HfRunner,
     MetraleRunner,
@@ -205,7 +205,8 @@ def run_bench(
     subjects: Subjects,
     progress: Progress | None = None,
 ) -> tuple[WorkloadReport, ...]:
-    return tuple(bench_workload(w, settings, subjects, progress) for w in workloads)
+    with frozen_heap():
+        return tuple(bench_workload(w, settings, subjects, progress) for w in workloads)
 
 
 def bench_workload(

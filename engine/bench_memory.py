@@ -40,6 +40,20 @@ def resident_bytes() -> int | None:
         return None
 
 
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Moves every object alive now (the loaded models, imported modules) out
+    of the collector's reach while the bench runs, so the full collection
+    before each run scans only what runs created: a second instead of
+    milliseconds with transformers imported."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _trim_heap() -> None:
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim

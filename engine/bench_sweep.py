@@ -32,6 +32,7 @@ from metrale.engine.bench import (
     first_mismatch,
     timed_runs,
 )
+from metrale.engine.bench_memory import frozen_heap
 from metrale.engine.bench_runners import MetraleRunner, Subjects
 from metrale.engine.config import MtpLadder
 
@@ -146,9 +147,10 @@ def run_sweep(
         cfg = engine_config(varied, batch, mode, varied.prompt_lookup)
         runners[key] = MetraleRunner(loaded, cfg)
     reports = []
-    for workload in workloads:
-        runs = timed_runs(workload, configs, runners, settings, subjects, progress)
-        reports.append(_report(workload, spec, batch, runs, settings))
+    with frozen_heap():
+        for workload in workloads:
+            runs = timed_runs(workload, configs, runners, settings, subjects, progress)
+            reports.append(_report(workload, spec, batch, runs, settings))
     return tuple(reports)
 
 

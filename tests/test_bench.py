@@ -68,7 +68,7 @@ def bench(args: list[str]) -> Any:
     return CliRunner().invoke(app, ["bench", *args], env={"COLUMNS": "240"})
 
 
-def tiny_args(checkpoint: Path, workload: Path, out: Path) -> list[str]:
+def tiny_args(checkpoint: Path, workload: Path, out: Path, repeats: int = 1) -> list[str]:
     return [
         str(workload),
         "--model",
@@ -80,7 +80,7 @@ def tiny_args(checkpoint: Path, workload: Path, out: Path) -> list[str]:
         "--max-tokens",
         "12",
         "--repeats",
-        "2",
+        str(repeats),
         "--device",
         "cpu",
         "--json",
@@ -91,7 +91,7 @@ def tiny_args(checkpoint: Path, workload: Path, out: Path) -> list[str]:
 def test_bench_measures_every_configuration_and_outputs_agree(
     mtp_checkpoint: Path, workload: Path, tmp_path: Path
 ) -> None:
-    result = bench(tiny_args(mtp_checkpoint, workload, tmp_path / "bench.json"))
+    result = bench(tiny_args(mtp_checkpoint, workload, tmp_path / "bench.json", repeats=2))
     assert result.exit_code == 0, result.output
     assert "MTP + prompt lookup" in result.output and "FAILED" not in result.output
     doc = json.loads((tmp_path / "bench.json").read_text())
