@@ -14,19 +14,26 @@ first position whose draft is trained). Three sources:
   loss on the completion), so generations can be made once and reused.
 
 Generated continuations are appended to a JSONL file as each request finishes,
-so an interrupted generation resumes where it stopped.
+so an interrupted generation resumes where it stopped. While generating, a
+``HiddenRecorder`` wrapped around the model keeps the hidden state of every
+position the engine computes, so a generated sequence arrives with its hidden
+states (``TrainSequence.hidden``) and needs no second forward pass.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig
+from metrale.engine.model import ForwardOutput, LogitRows, Model, Segment
 from metrale.engine.scheduler import Engine
 
 if TYPE_CHECKING:
@@ -42,9 +49,79 @@ class TrainSequence:
 
     token_ids: tuple[int, ...]
     loss_start: int = 0
+    # The model's pre-norm hidden states of positions 0..len-2 ([len - 1, hidden],
+    # bfloat16) when the sequence is the model's own greedy answer and they
+    # were recorded while generating it.
+    hidden: torch.Tensor | None = None
+    # With ``hidden``: the model's argmax at each of those positions ([len - 1]),
+    # its guess at the token after; None means only the greedy answer is known.
+    predicted: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         assert 0 <= self.loss_start <= len(self.token_ids), "loss_start within the sequence"
+        if self.hidden is not None:
+            assert self.hidden.shape[0] == len(self.token_ids) - 1, "one hidden row per fed token"
+        if self.predicted is not None:
+            assert self.predicted.shape[0] == len(self.token_ids) - 1, "one argmax per fed token"
+
+
+class HiddenRecorder:
+    """A ``Model`` that forwards to ``inner`` and keeps, per slot and position,
+    the last hidden state, token id and argmax computed there. A later forward
+    at a position overwrites them, exactly as it overwrites the KV cache, so
+    once a request finishes its slot holds what its final tokens gave.
+    Prefill forwards are asked for every row's logits (the engine wants only
+    the last), so prompt positions get the model's predictions too."""
+
+    def __init__(self, inner: Model, hidden_size: int) -> None:
+        self.inner = inner
+        slots, length = inner.num_slots, inner.max_len
+        self.hidden = torch.zeros(slots, length, hidden_size, dtype=torch.bfloat16)
+        self.tokens = torch.full((slots, length), -1, dtype=torch.long)
+        self.predicted = torch.full((slots, length), -1, dtype=torch.long)
+
+    @property
+    def num_slots(self) -> int:
+        return self.inner.num_slots
+
+    @property
+    def max_len(self) -> int:
+        return self.inner.max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    def forward(self, segments: Sequence[Segment], logits: LogitRows = "all") -> ForwardOutput:
+        out = self.inner.forward(segments, "all")
+        argmax = out.logits.argmax(-1).cpu()  # [num_tokens]
+        row, last_rows = 0, []
+        for seg in segments:
+            n = len(seg.token_ids)
+            end = seg.start + n
+            self.hidden[seg.slot, seg.start : end] = out.hidden[row : row + n].cpu()
+            self.tokens[seg.slot, seg.start : end] = torch.tensor(list(seg.token_ids))
+            self.predicted[seg.slot, seg.start : end] = argmax[row : row + n]
+            row += n
+            last_rows.append(row - 1)
+        if logits == "last":
+            index = torch.tensor(last_rows, device=out.logits.device)
+            out = ForwardOutput(logits=out.logits.index_select(0, index), hidden=out.hidden)
+        return out
+
+    def take(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(hidden [len - 1, hidden], predicted [len - 1])`` of the slot that
+        fed ``token_ids[:-1]``, or None if no slot did."""
+        fed = torch.tensor(list(token_ids[:-1]))
+        n = fed.shape[0]
+        for slot in range(self.num_slots):
+            if torch.equal(self.tokens[slot, :n], fed):
+                return self.hidden[slot, :n].clone(), self.predicted[slot, :n].clone()
+        return None
 
 
 @dataclass(frozen=True)
@@ -107,18 +184,28 @@ def generate_continuations(
     max_batch: int = 16,
     on_done: Callable[[int, int], None] | None = None,
 ) -> list[TrainSequence]:
-    """Greedy answers to ``prompts`` by the frozen model, cached in ``store``.
+    """Greedy answers to ``prompts`` by the frozen model, with their hidden
+    states, cached in ``store`` (a JSONL file) and ``store``'s ``.hidden/`` folder.
 
-    Prompts whose id is already in ``store`` are not generated again. Prompt
-    lookup stays on (greedy output is identical, only faster); MTP is off, since
-    the head being trained does not exist yet. ``on_done(done, total)`` is
-    called after each finished prompt.
+    Prompts whose id is already stored are not generated again. Prompt lookup
+    stays on (greedy output is identical, only faster); MTP is off, since the
+    head being trained does not exist yet. ``on_done(done, total)`` is called
+    after each finished prompt.
     """
-    cached = dict(_read_store(store))
+    hidden_dir = store.with_suffix(".hidden")
+    cached = dict(_read_store(store, hidden_dir))
     wanted = {p.record_id for p in prompts}
-    missing = [p for p in prompts if p.record_id not in cached]
+    missing = {p.record_id: p for p in prompts if p.record_id not in cached}
     if missing:
-        engine = Engine.from_loaded(loaded, EngineConfig(max_batch=max_batch, mtp=False))
+        hidden_size = int(loaded.model.forward([Segment(0, 0, [0])], "last").hidden.shape[-1])
+        recorder = HiddenRecorder(loaded.model, hidden_size)
+        engine = Engine(
+            recorder,
+            loaded.tokenizer,
+            EngineConfig(max_batch=max_batch, mtp=False),
+            eos_token_ids=loaded.eos_token_ids,
+            model_name=loaded.name,
+        )
         eos = tuple(loaded.eos_token_ids)
         requests = (
             Request(
@@ -126,27 +213,39 @@ def generate_continuations(
                 p.prompt_ids,
                 SamplingParams(max_tokens=p.max_tokens, eos_token_ids=eos),
             )
-            for p in missing
+            for p in missing.values()
         )
         store.parent.mkdir(parents=True, exist_ok=True)
+        hidden_dir.mkdir(parents=True, exist_ok=True)
         with store.open("a", encoding="utf-8") as out:
             for result in engine.generate(requests):
-                if result.error is not None:
+                prompt = missing[result.request_id]
+                ids = prompt.prompt_ids + result.output_ids
+                recorded = recorder.take(ids)
+                if result.error is not None or recorded is None or len(ids) < 3:
                     continue
-                by_id = next(p for p in missing if p.record_id == result.request_id)
-                line = {"id": by_id.record_id, "prompt_ids": list(by_id.prompt_ids)}
+                hidden, predicted = recorded
+                torch.save(
+                    {"hidden": hidden, "predicted": predicted},
+                    hidden_dir / _hidden_name(prompt.record_id),
+                )
+                line = {"id": prompt.record_id, "prompt_ids": list(prompt.prompt_ids)}
                 line["output_ids"] = list(result.output_ids)
                 out.write(json.dumps(line) + "\n")
                 out.flush()
-                cached[by_id.record_id] = TrainSequence(
-                    by_id.prompt_ids + result.output_ids, loss_start=len(by_id.prompt_ids)
+                cached[prompt.record_id] = TrainSequence(
+                    ids, len(prompt.prompt_ids), hidden, predicted
                 )
                 if on_done is not None:
                     on_done(sum(1 for k in cached if k in wanted), len(prompts))
     return [cached[p.record_id] for p in prompts if p.record_id in cached]
 
 
-def _read_store(store: Path) -> Iterator[tuple[str, TrainSequence]]:
+def _hidden_name(record_id: str) -> str:
+    return hashlib.sha256(record_id.encode()).hexdigest()[:24] + ".pt"
+
+
+def _read_store(store: Path, hidden_dir: Path) -> Iterator[tuple[str, TrainSequence]]:
     if not store.exists():
         return
     for line in store.read_text(encoding="utf-8").splitlines():
@@ -155,7 +254,15 @@ def _read_store(store: Path) -> Iterator[tuple[str, TrainSequence]]:
         except json.JSONDecodeError:  # a line cut by an interrupt: generated again
             continue
         prompt = tuple(record["prompt_ids"])
-        yield record["id"], TrainSequence(prompt + tuple(record["output_ids"]), len(prompt))
+        hidden_file = hidden_dir / _hidden_name(record["id"])
+        saved = torch.load(hidden_file) if hidden_file.exists() else {}
+        if isinstance(saved, torch.Tensor):  # hidden states only
+            saved = {"hidden": saved}
+        ids = prompt + tuple(record["output_ids"])
+        yield (
+            record["id"],
+            TrainSequence(ids, len(prompt), saved.get("hidden"), saved.get("predicted")),
+        )
 
 
 def load_sources(

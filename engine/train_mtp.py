@@ -61,6 +61,10 @@ class TrainConfig:
     checkpoint_every: int = 20  # steps between checkpoints (0: none)
     chain_depth: int = 3
     vocab: Literal["seen", "full"] = "seen"
+    # Loss weight of positions inside a prompt (0: answers only). Their hidden
+    # states are cached anyway, and the model's predictions there are still
+    # what the head must imitate, so they are extra data at no forward cost.
+    prompt_weight: float = 0.0
     max_steps: int | None = None  # stop early (the schedule still spans every epoch)
 
     def __post_init__(self) -> None:
@@ -74,6 +78,8 @@ class TrainConfig:
             raise ValueError("--heldout must be in [0, 1)")
         if self.chain_depth < 1:
             raise ValueError("the evaluated chain depth must be at least 1")
+        if not 0.0 <= self.prompt_weight <= 1.0:
+            raise ValueError("--prompt-weight must be in [0, 1]")
         if self.vocab not in ("seen", "full"):
             raise ValueError("--vocab must be 'seen' or 'full'")
 
@@ -139,23 +145,43 @@ def cache_sequences(
         return loaded
     cached = []
     for i, seq in enumerate(sequences):
-        ids = list(seq.token_ids[: model.max_len])
-        out = model.forward([Segment(0, 0, ids)], logits="all")
-        predicted = out.logits.argmax(-1)  # [len(ids)] the model's guess at token j+1
-        cached.append(
-            CachedSequence(
-                next_ids=torch.tensor(ids[1:]),
-                hidden=out.hidden[:-1].to(torch.bfloat16).clone(),
-                targets=predicted[1:].clone(),
-                first=max(seq.loss_start - 1, 0),
-            )
-        )
+        cached.append(_recorded(seq) if seq.hidden is not None else _computed(model, seq))
         if on_progress is not None:
             on_progress(TrainProgress("cache", i + 1, len(sequences)))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         _atomic_save([asdict(c) for c in cached], path)
     return cached
+
+
+def _computed(model: LlamaModel, seq: TrainSequence) -> CachedSequence:
+    """One forward of the frozen model gives ``h`` and its argmax at every position."""
+    ids = list(seq.token_ids[: model.max_len])
+    out = model.forward([Segment(0, 0, ids)], logits="all")
+    predicted = out.logits.argmax(-1)  # [len(ids)] the model's guess at token j+1
+    return CachedSequence(
+        next_ids=torch.tensor(ids[1:]),
+        hidden=out.hidden[:-1].to(torch.bfloat16).clone(),
+        targets=predicted[1:].clone(),
+        first=max(seq.loss_start - 1, 0),
+    )
+
+
+def _recorded(seq: TrainSequence) -> CachedSequence:
+    """A greedy answer with the hidden states (and argmaxes) recorded while
+    generating it. Without recorded argmaxes: from the prompt's last position
+    on, the model's argmax at ``p + 1`` *is* token ``p + 2``, and prompt
+    positions get target -1 (never trained). The last position is dropped, as
+    its target was never computed."""
+    assert seq.hidden is not None
+    ids = torch.tensor(seq.token_ids)
+    first = max(seq.loss_start - 1, 0)
+    if seq.predicted is not None:
+        targets = seq.predicted[1:].clone()  # [len - 2] the model's argmax at p + 1
+    else:
+        targets = ids[2:].clone()  # [len - 2]
+        targets[:first] = -1
+    return CachedSequence(next_ids=ids[1:-1], hidden=seq.hidden[:-1], targets=targets, first=first)
 
 
 def fingerprint(sequences: Sequence[TrainSequence], max_len: int) -> str:
@@ -178,8 +204,9 @@ def split_heldout(
     )
 
 
-def num_trained(seq: CachedSequence) -> int:
-    return seq.targets.shape[0] - seq.first
+def num_trained(seq: CachedSequence, first: int | None = None) -> int:
+    """Positions trained from ``first`` (default: the sequence's answer start) on."""
+    return seq.targets.shape[0] - (seq.first if first is None else first)
 
 
 class Trainer:
@@ -187,14 +214,16 @@ class Trainer:
 
     def __init__(self, model: LlamaModel, train: Sequence[CachedSequence], config: TrainConfig):
         self.config = config
-        self.train = [s for s in train if num_trained(s) > 0]
+        self.first = 0 if config.prompt_weight > 0 else None  # None: each sequence's own
+        self.train = [s for s in train if num_trained(s, self.first) > 0]
         if not self.train:
             raise ValueError("no training positions: the data is empty or too short")
         self.head = TrainableHead(model, config.seed)
         self.rows: torch.Tensor | None = None  # [num_rows] vocabulary rows in the softmax
         self.row_of: torch.Tensor | None = None  # [vocab] target id -> index in rows
         if config.vocab == "seen":
-            self.rows = torch.unique(torch.cat([s.targets[s.first :] for s in self.train]))
+            seen = torch.cat([s.targets[self._first(s) :] for s in self.train])
+            self.rows = torch.unique(seen[seen >= 0])
             self.row_of = torch.full((self.head.lm_head.shape[0],), -1, dtype=torch.long)
             self.row_of[self.rows] = torch.arange(self.rows.shape[0])
         self.plans = [self._epoch_batches(e) for e in range(config.epochs)]
@@ -213,8 +242,11 @@ class Trainer:
                 batches.append([])
                 filled = 0
             batches[-1].append(i)
-            filled += num_trained(self.train[i])
+            filled += num_trained(self.train[i], self.first)
         return batches
+
+    def _first(self, seq: CachedSequence) -> int:
+        return seq.first if self.first is None else self.first
 
     def batch(self, step: int) -> list[int]:
         for plan in self.plans:
@@ -234,26 +266,37 @@ class Trainer:
     def run_step(self) -> tuple[float, int]:
         """One optimizer step; returns ``(mean loss, trained positions)``."""
         indices = self.batch(self.step)
-        total = sum(num_trained(self.train[i]) for i in indices)
+        total = float(sum(float(self._weights(self.train[i]).sum()) for i in indices))
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for i in indices:
             seq = self.train[i]
-            y = self.head(seq.next_ids, seq.hidden)[seq.first :]  # [m, hidden]
-            targets = seq.targets[seq.first :]  # [m]
+            start = self._first(seq)
+            y = self.head(seq.next_ids, seq.hidden)[start:]  # [m, hidden]
+            targets = seq.targets[start:]  # [m]
             if self.rows is not None and self.row_of is not None:
                 logits = self.head.logits(y, self.rows)  # [m, num_rows]
-                targets = self.row_of[targets]
+                targets = torch.where(targets >= 0, self.row_of[targets.clamp(min=0)], -1)
             else:
                 logits = self.head.logits(y)  # [m, vocab]
-            loss = F.cross_entropy(logits, targets, reduction="sum") / total
+            # target -1: no known prediction there (a recorded prompt position)
+            per_token = F.cross_entropy(logits, targets, reduction="none", ignore_index=-1)
+            loss = (per_token * self._weights(seq)).sum() / total
             loss.backward()
             loss_sum += float(loss.detach())
         self.optimizer.step()
         self.step += 1
-        return loss_sum, total
+        return loss_sum, sum(num_trained(self.train[i], self.first) for i in indices)
+
+    def _weights(self, seq: CachedSequence) -> torch.Tensor:
+        """Loss weight of each trained position ``[m]``: 1 in the answer,
+        ``prompt_weight`` before it."""
+        start = self._first(seq)
+        weights = torch.ones(seq.targets.shape[0] - start)
+        weights[: seq.first - start] = self.config.prompt_weight
+        return weights * (seq.targets[start:] >= 0)
 
     def evaluate(self, sequences: Sequence[CachedSequence]) -> EvalReport:
         return evaluate(self.head, sequences, self.config.chain_depth)
@@ -343,7 +386,7 @@ def train_mtp(
     return TrainResult(
         tensors=trainer.head.tensors(),
         steps=trainer.step,
-        train_tokens=sum(num_trained(s) for s in trainer.train),
+        train_tokens=sum(num_trained(s, trainer.first) for s in trainer.train),
         heldout_tokens=sum(num_trained(s) for s in heldout),
         seconds=time.perf_counter() - started,
         final_loss=loss,

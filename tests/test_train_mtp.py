@@ -15,7 +15,13 @@ from metrale.engine.loader import HEADS_DIR, LoadedModel, load_model
 from metrale.engine.model import Segment
 from metrale.engine.mtp_head import load_mtp_head, save_mtp_head
 from metrale.engine.scheduler import Engine
-from metrale.engine.train_data import TrainSequence, read_jsonl, text_sequences
+from metrale.engine.train_data import (
+    PromptRecord,
+    TrainSequence,
+    generate_continuations,
+    read_jsonl,
+    text_sequences,
+)
 from metrale.engine.train_head import TrainableHead
 from metrale.engine.train_mtp import (
     TrainConfig,
@@ -170,6 +176,37 @@ def test_text_and_jsonl_sources(tiny: LoadedModel, tmp_path: Path) -> None:
     done, todo = read_jsonl(lines, tiny.tokenizer)
     assert done[0].loss_start == len(tiny.tokenizer.encode("hi"))
     assert [(p.record_id, p.max_tokens) for p in todo] == [("q", 5)]
+
+
+def test_generated_answers_carry_the_hidden_states_a_forward_computes(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    model = model_of(tiny)
+    prompts = [
+        PromptRecord(f"p{i}", tuple(s.token_ids[:20]), max_tokens=12)
+        for i, s in enumerate(corpus(num=3, seed=11))
+    ]
+    store = tmp_path / "generated.jsonl"
+    sequences = generate_continuations(tiny, prompts, store, max_batch=2)
+    assert len(sequences) == 3
+    for seq, prompt in zip(sequences, prompts, strict=True):
+        assert seq.token_ids[:20] == prompt.prompt_ids and seq.loss_start == 20
+        assert seq.hidden is not None
+        fresh = model.forward([Segment(0, 0, list(seq.token_ids[:-1]))], "all")
+        torch.testing.assert_close(seq.hidden.float(), fresh.hidden, atol=0.05, rtol=0.02)
+        # greedy: the model's argmax at each answer position is the next token
+        assert fresh.logits[19:].argmax(-1).tolist() == list(seq.token_ids[20:])
+        # and prompt positions carry the model's own argmax too
+        assert seq.predicted is not None
+        assert seq.predicted.tolist() == fresh.logits.argmax(-1).tolist()
+    calls: list[int] = []
+    again = generate_continuations(tiny, prompts, store, on_done=lambda d, t: calls.append(d))
+    assert not calls, "stored answers are not generated again"
+    assert [s.token_ids for s in again] == [s.token_ids for s in sequences]
+    assert all(
+        a.hidden is not None and b.hidden is not None and torch.equal(a.hidden, b.hidden)
+        for a, b in zip(again, sequences, strict=True)
+    )
 
 
 @pytest.mark.slow
