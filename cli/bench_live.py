@@ -4,7 +4,8 @@ Contract: runs the same engine-like loop with no view, with the Rich live view
 (4 refreshes a second into a terminal console that writes to /dev/null) and
 with the plain summaries, alternating the three so machine load hits them
 alike, and prints each one's speed as a ratio to the no-view runs measured in
-the same process, plus the cost of rendering one frame. A step is a few small
+the same process, plus the cost of rendering one frame. The order of the
+three rotates from round to round. A step is a few small
 matrix products (which release the GIL, as the engine's forward does) and
 Python bookkeeping (which holds it, as the scheduler does), publishing an
 ``EngineStats`` snapshot each step as the engine does.
@@ -24,7 +25,7 @@ from metrale.cli.live import RunCounters, live_view, render
 from metrale.engine.stats import EngineStats
 
 STEPS = 1500
-ROUNDS = 5
+ROUNDS = 6
 
 
 class FakeLoop:
@@ -93,18 +94,17 @@ def main() -> None:
             ("plain", lambda: timed_run("plain", plain)),
         ]
         timed_run(None, terminal)  # warm-up
-        for _ in range(ROUNDS):
-            for name, fn in runs:
+        for round_ in range(ROUNDS):
+            # Rotate the order so no view always runs first (or last) in a round.
+            for name, fn in runs[round_ % 3 :] + runs[: round_ % 3]:
                 speeds[name].append(fn())
         base = statistics.median(speeds["none"])
         print(f"engine-like loop, {STEPS} steps x {ROUNDS} rounds, medians:")
         for name, values in speeds.items():
             med = statistics.median(values)
             print(f"  view {name:5s}: {med:8.1f} steps/s  ratio to no view {med / base:.3f}")
-        print(
-            f"one live frame renders in {frame_ms(terminal):.2f} ms "
-            f"(4 frames/s = {4 * frame_ms(terminal) / 10:.2f}% of one core)"
-        )
+        ms = frame_ms(terminal)
+        print(f"one live frame renders in {ms:.2f} ms ({4 * ms / 10:.2f}% of one core at 4/s)")
 
 
 if __name__ == "__main__":
