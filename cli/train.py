@@ -84,6 +84,12 @@ def train_mtp_command(
     vocab: Annotated[
         str, typer.Option(help="Softmax over 'seen' target tokens (fast) or the 'full' vocabulary.")
     ] = "seen",
+    prompt_weight: Annotated[
+        float,
+        typer.Option(
+            min=0.0, max=1.0, help="Loss weight of prompt positions (0: train on answers only)."
+        ),
+    ] = 0.5,
     max_steps: Annotated[
         int | None, typer.Option(min=1, help="Stop after this many steps (resumable).")
     ] = None,
@@ -92,6 +98,10 @@ def train_mtp_command(
         int, typer.Option(min=1, help="Prompts answered at once when generating.")
     ] = 16,
     dtype: Annotated[str | None, typer.Option(help="Runtime dtype of the frozen model.")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(min=1, help="torch CPU threads (1 is fastest on a crowded machine)."),
+    ] = None,
 ) -> None:
     """Train an MTP head for a model on its own predictions (self-distillation)."""
     try:
@@ -104,6 +114,7 @@ def train_mtp_command(
             eval_every=eval_every,
             checkpoint_every=checkpoint_every,
             vocab=vocab,  # type: ignore[arg-type]
+            prompt_weight=prompt_weight,
             max_steps=max_steps,
         )
         runtime = RuntimeConfig(num_slots=gen_batch, max_len=max_len, dtype=dtype, mtp=False)
@@ -115,6 +126,10 @@ def train_mtp_command(
         STDERR.print(f"error: training data not found: {', '.join(missing)}")
         raise typer.Exit(2)
     work = work_dir or out.with_name(out.name + ".work")
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     run_training(model, data, out, work, config, runtime)
 
 
@@ -153,6 +168,7 @@ def run_training(
             loaded,
             data,
             work,
+            window=runtime.max_len or 512,
             max_batch=runtime.num_slots,
             on_generated=lambda done, total: show("generate", done, total),
         )

@@ -231,3 +231,28 @@ def test_the_shipped_head_loads_with_the_default_model_and_drafts() -> None:
     plain = Engine.from_loaded(loaded, EngineConfig(max_batch=1, prompt_lookup=None, mtp=False))
     (expected,) = list(plain.generate([request]))
     assert result.output_ids == expected.output_ids
+
+
+def test_the_command_writes_a_head_and_card_that_load(tiny: LoadedModel, tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from metrale.cli.main import app
+
+    model_dir = tmp_path / "model"
+    write_tiny_checkpoint(model_dir, "qwen2")
+    text = tmp_path / "notes.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 12)
+    out = tmp_path / "heads" / "tiny"
+    args = ["train-mtp", "--model", str(model_dir), "--data", str(text), "--out", str(out)]
+    args += ["--epochs", "2", "--batch-tokens", "64", "--heldout", "0.3", "--max-len", "64"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    card = json.loads(out.with_suffix(".json").read_text())
+    fields = card["fields"]
+    assert fields["data"] == ["notes.txt"] and fields["steps"] > 0
+    assert len(fields["heldout_acceptance_by_depth"]) == 3
+    assert load_mtp_head(out, model_of(tiny)) is not None
+    missing = CliRunner().invoke(app, [*args[:4], "--data", "nope.txt", "--out", str(out)])
+    assert missing.exit_code == 2
