@@ -38,6 +38,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+# Up to this many rows, ``w @ x.T`` beats ``x @ w.T`` on the CPU: the kernel
+# then streams the weight once along its rows (measured 0.5-0.8x the time of
+# F.linear for 1-16 rows on the default model's shapes, one thread, float32).
+SKINNY_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``, ``weight`` ``[out, in]``."""
+    if x.shape[0] > SKINNY_ROWS or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t().contiguous()  # [rows, out]
+    return out if bias is None else out.add_(bias)
+
+
 @dataclass
 class BlockWeights:
     """One decoder layer, with q/k/v and gate/up fused."""
@@ -113,8 +127,8 @@ class DecoderStack:
                 rms_norm(x, w.attn_norm, self.spec.rms_norm_eps), w, layer, plan, cos, sin
             )
             h = rms_norm(x, w.mlp_norm, self.spec.rms_norm_eps)
-            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-            x = x + F.linear(F.silu(gate) * up, w.down)
+            gate, up = linear(h, w.gate_up).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+            x = x + linear(F.silu(gate) * up, w.down)
         return x
 
     def _attention(
@@ -128,7 +142,7 @@ class DecoderStack:
     ) -> torch.Tensor:
         spec = self.spec
         num_tokens = h.shape[0]
-        qkv = F.linear(h, w.qkv, w.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = linear(h, w.qkv, w.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         q = q.view(num_tokens, spec.num_heads, spec.head_dim)
         k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
@@ -143,7 +157,7 @@ class DecoderStack:
             out = self._causal_prefill(q, k, v)
         else:
             out = self._attend_cached(q, layer, plan)
-        return F.linear(out, w.o_proj)
+        return linear(out, w.o_proj)
 
     def _causal_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One segment from position 0: attention over its own k/v, no cache read."""
@@ -261,4 +275,4 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[rows, hidden]`` -> ``[rows, vocab]`` float32."""
         normed = rms_norm(hidden, self.head.norm, self.spec.rms_norm_eps)
-        return F.linear(normed, self.head.lm_head).float()
+        return linear(normed, self.head.lm_head).float()

@@ -36,7 +36,14 @@ import torch.nn.functional as F
 
 from metrale.engine.checkpoint import WeightStore
 from metrale.engine.kv_cache import SlotKVCache, plan_rows
-from metrale.engine.llama import BlockWeights, DecoderStack, LlamaModel, load_block, rms_norm
+from metrale.engine.llama import (
+    BlockWeights,
+    DecoderStack,
+    LlamaModel,
+    linear,
+    load_block,
+    rms_norm,
+)
 from metrale.engine.model import ForwardOutput, LogitRows, Segment
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next", "head")
@@ -139,9 +146,9 @@ class MtpLayer:
         both = torch.cat(
             [hid, emb] if w.hidden_first else [emb, hid], dim=-1
         )  # [num_tokens, 2 * hidden]
-        y = self.stack.run(F.linear(both, w.proj), plan, model.rope)  # [num_tokens, hidden]
+        y = self.stack.run(linear(both, w.proj), plan, model.rope)  # [num_tokens, hidden]
         rows = y if logits == "all" else y.index_select(0, plan.last_rows)
-        out = F.linear(rms_norm(rows, w.final_norm, eps), self.lm_head).float()
+        out = linear(rms_norm(rows, w.final_norm, eps), self.lm_head).float()
         return ForwardOutput(logits=out, hidden=y)
 
 
