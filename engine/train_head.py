@@ -140,36 +140,38 @@ class TrainableHead(torch.nn.Module):
 
     @torch.no_grad()
     def chain_drafts(
-        self, next_ids: torch.Tensor, hidden: torch.Tensor, depth: int
+        self, next_ids: torch.Tensor, hidden: torch.Tensor, depth: int, start: int = 0
     ) -> torch.Tensor:
-        """Greedy drafts ``[depth, n]``: row ``d-1`` holds, for each base position
-        ``p``, the depth-``d`` draft (a guess at token ``p + 1 + d``)."""
+        """Greedy drafts ``[depth, n - start]``: row ``d-1`` holds, for each base
+        position ``p >= start``, the depth-``d`` draft (a guess at token ``p + 1 + d``)."""
         spec = self.spec
         n = next_ids.shape[0]
         y, ctx_k, ctx_v = self.forward_with_kv(next_ids, hidden)
-        drafts = [self.logits(y).argmax(-1)]  # [n]
+        y = y[start:]  # [m, hidden] only the base positions asked for
+        m = n - start
+        drafts = [self.logits(y).argmax(-1)]  # [m]
         group = spec.num_heads // spec.num_kv_heads
         ctx_k = ctx_k.repeat_interleave(group, dim=1)  # [n, heads, head_dim]
         ctx_v = ctx_v.repeat_interleave(group, dim=1)
         scale = 1.0 / math.sqrt(spec.head_dim)
-        # base p sees context positions 0..p
-        ctx_mask = torch.ones(n, n, dtype=torch.bool).tril()  # [n (base), n (ctx)]
+        base = torch.arange(start, n)  # [m]
+        ctx_mask = base[:, None] >= torch.arange(n)[None, :]  # [m, n]: base p sees 0..p
         chain_k: list[torch.Tensor] = []
         chain_v: list[torch.Tensor] = []
         for d in range(2, depth + 1):
-            positions = (torch.arange(n) + d - 1).clamp(max=self.cos.shape[0] - 1)
+            positions = (base + d - 1).clamp(max=self.cos.shape[0] - 1)
             x = self.project(drafts[-1], y)
             q, k, v = self.qkv(x, positions)
             chain_k.append(k.repeat_interleave(group, dim=1))
             chain_v.append(v.repeat_interleave(group, dim=1))
-            scores_ctx = torch.einsum("qhd,khd->hqk", q, ctx_k) * scale  # [heads, n, n]
+            scores_ctx = torch.einsum("qhd,khd->hqk", q, ctx_k) * scale  # [heads, m, n]
             scores_ctx = scores_ctx.masked_fill(~ctx_mask, float("-inf"))
-            own_k = torch.stack(chain_k, dim=2)  # [n, heads, d - 1, head_dim]
-            scores_own = torch.einsum("qhd,qhcd->hqc", q, own_k) * scale  # [heads, n, d - 1]
+            own_k = torch.stack(chain_k, dim=2)  # [m, heads, d - 1, head_dim]
+            scores_own = torch.einsum("qhd,qhcd->hqc", q, own_k) * scale  # [heads, m, d - 1]
             probs = torch.cat([scores_ctx, scores_own], dim=-1).softmax(-1)
             out = torch.einsum("hqk,khd->qhd", probs[..., :n], ctx_v)
             out = out + torch.einsum("hqc,qhcd->qhd", probs[..., n:], torch.stack(chain_v, 2))
-            y = self.finish_block(x, out.reshape(n, -1))
+            y = self.finish_block(x, out.reshape(m, -1))
             drafts.append(self.logits(y).argmax(-1))
         return torch.stack(drafts)
 

@@ -330,11 +330,12 @@ def evaluate(head: TrainableHead, sequences: Sequence[CachedSequence], depth: in
         last = n - depth  # base positions first..last have targets for every depth
         if last < seq.first:
             continue
-        drafts = head.chain_drafts(seq.next_ids, seq.hidden, depth)  # [depth, n]
+        # [depth, n - first]: drafts of base positions first..n-1
+        drafts = head.chain_drafts(seq.next_ids, seq.hidden, depth, start=seq.first)
         base = torch.arange(seq.first, last + 1)
         ok = torch.ones(base.shape[0], dtype=torch.bool)
         for d in range(depth):
-            ok = ok & (drafts[d, base] == seq.targets[base + d])
+            ok = ok & (drafts[d, base - seq.first] == seq.targets[base + d])
             counts[d] += ok.sum()
         positions += base.shape[0]
     accepted = tuple(float(c) / positions if positions else 0.0 for c in counts)

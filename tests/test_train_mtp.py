@@ -120,6 +120,8 @@ def test_chain_evaluation_matches_the_runtimes_chain_drafting(
     ids = list(corpus(num=1, seed=5)[0].token_ids[:30])
     main = model.forward([Segment(0, 0, ids)], logits="all")
     drafts = head.chain_drafts(torch.tensor(ids[1:]), main.hidden[:-1], depth=3)
+    later = head.chain_drafts(torch.tensor(ids[1:]), main.hidden[:-1], depth=3, start=10)
+    assert torch.equal(later, drafts[:, 10:])
     for p in (3, 10, 20):
         # The runtime feeds verified positions 0..p, then chains on its own outputs.
         out = layer.forward([Segment(0, 0, ids[1 : p + 2])], main.hidden[: p + 1], "last")

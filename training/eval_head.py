@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("files", nargs="*", type=Path)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--limit", type=int, default=None, help="first N lines of each file")
     args = parser.parse_args()
     files = args.files or [Path("sample_prompts") / f"{w}.jsonl" for w in WORKLOADS]
     loaded = load_model(None, RuntimeConfig(num_slots=args.max_batch, max_len=1280))
@@ -53,7 +54,8 @@ def main() -> None:
     for path in files:
         engine = Engine.from_loaded(loaded, config)
         started = time.perf_counter()
-        results = list(engine.generate(requests_of(path, loaded.tokenizer, loaded.eos_token_ids)))
+        requests = requests_of(path, loaded.tokenizer, loaded.eos_token_ids)[: args.limit]
+        results = list(engine.generate(requests))
         stats = engine.stats()
         by_position = [
             a / p if p else 0.0
