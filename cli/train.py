@@ -90,6 +90,13 @@ def train_mtp_command(
             min=0.0, max=1.0, help="Loss weight of prompt positions (0: train on answers only)."
         ),
     ] = 0.5,
+    feature_weight: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Weight of the feature loss (head output vs the model's next hidden state).",
+        ),
+    ] = 1.0,
     max_steps: Annotated[
         int | None, typer.Option(min=1, help="Stop after this many steps (resumable).")
     ] = None,
@@ -115,6 +122,7 @@ def train_mtp_command(
             checkpoint_every=checkpoint_every,
             vocab=vocab,  # type: ignore[arg-type]
             prompt_weight=prompt_weight,
+            feature_weight=feature_weight,
             max_steps=max_steps,
         )
         runtime = RuntimeConfig(num_slots=gen_batch, max_len=max_len, dtype=dtype, mtp=False)

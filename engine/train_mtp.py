@@ -65,6 +65,11 @@ class TrainConfig:
     # states are cached anyway, and the model's predictions there are still
     # what the head must imitate, so they are extra data at no forward cost.
     prompt_weight: float = 0.0
+    # Weight of an EAGLE-style feature loss: the head's normalised output at p
+    # against the model's normalised h_{p+1}. It is a dense target (the model's
+    # whole next-next distribution lives in it) and keeps the output close to
+    # what the head itself takes as input, which is what chaining feeds it.
+    feature_weight: float = 0.0
     max_steps: int | None = None  # stop early (the schedule still spans every epoch)
 
     def __post_init__(self) -> None:
@@ -80,6 +85,8 @@ class TrainConfig:
             raise ValueError("the evaluated chain depth must be at least 1")
         if not 0.0 <= self.prompt_weight <= 1.0:
             raise ValueError("--prompt-weight must be in [0, 1]")
+        if self.feature_weight < 0:
+            raise ValueError("--feature-weight must be 0 (off) or more")
         if self.vocab not in ("seen", "full"):
             raise ValueError("--vocab must be 'seen' or 'full'")
 
@@ -283,12 +290,24 @@ class Trainer:
                 logits = self.head.logits(y)  # [m, vocab]
             # target -1: no known prediction there (a recorded prompt position)
             per_token = F.cross_entropy(logits, targets, reduction="none", ignore_index=-1)
-            loss = (per_token * self._weights(seq)).sum() / total
+            weights = self._weights(seq)
+            if self.config.feature_weight > 0:
+                per_token = per_token + self.config.feature_weight * self._feature_loss(seq, y)
+            loss = (per_token * weights).sum() / total
             loss.backward()
             loss_sum += float(loss.detach())
         self.optimizer.step()
         self.step += 1
         return loss_sum, sum(num_trained(self.train[i], self.first) for i in indices)
+
+    def _feature_loss(self, seq: CachedSequence, y: torch.Tensor) -> torch.Tensor:
+        """Per position ``[m]``: mean squared distance between the RMS-normalised
+        ``y_p`` and ``h_{p+1}`` (0 at the last position, whose ``h_{p+1}`` is not cached)."""
+        start = self._first(seq)
+        want = seq.hidden[start + 1 :].float()  # [m - 1, hidden]
+        got = y[: want.shape[0]]
+        dist = (F.rms_norm(got, got.shape[-1:]) - F.rms_norm(want, want.shape[-1:])).pow(2)
+        return F.pad(dist.mean(-1), (0, 1))
 
     def _weights(self, seq: CachedSequence) -> torch.Tensor:
         """Loss weight of each trained position ``[m]``: 1 in the answer,

@@ -71,7 +71,7 @@ def test_training_lowers_loss_and_raises_agreement_on_the_training_text(
 ) -> None:
     model = model_of(tiny)
     cached = cache_sequences(model, corpus())
-    trainer = Trainer(model, cached, small_config(epochs=8))
+    trainer = Trainer(model, cached, small_config(epochs=8, feature_weight=0.5))
     before = evaluate(trainer.head, cached, 1).accepted[0]
     losses = [trainer.run_step()[0] for _ in range(trainer.total_steps)]
     after = evaluate(trainer.head, cached, 1).accepted[0]
