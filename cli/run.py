@@ -14,6 +14,7 @@ work is worse), and the summary of what finished is printed.
 
 from __future__ import annotations
 
+import queue
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import orjson
 from rich.console import Console
@@ -54,7 +55,7 @@ class Backend:
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]
     max_len: int
-    generate: Callable[[Iterable[Request]], Iterator[Result]]
+    generate: Callable[[Iterable[Request | None]], Iterator[Result]]
     stats: Callable[[], EngineStats]
 
 
@@ -144,6 +145,39 @@ def read_lines(inputs: tuple[str, ...]) -> Iterator[tuple[LineRef, bytes]]:
                 stream.close()
 
 
+T = TypeVar("T")
+
+
+def prefetched(items: Iterator[T]) -> Iterator[T | None]:
+    """``items`` drawn on a reader thread; ``None`` whenever nothing new is
+    ready yet, which the engine takes as "decode what you hold" (see
+    ``Engine.generate``). A pipe whose writer is slow (a producer still
+    working, `tail -f`) then never holds back the requests already running.
+    An exception in the reader comes out here, where the items are consumed."""
+    ready: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+
+    def reader() -> None:
+        try:
+            for item in items:
+                ready.put(("item", item))
+        except BaseException as exc:  # handed to the consumer, which raises it
+            ready.put(("error", exc))
+        ready.put(("end", None))
+
+    threading.Thread(target=reader, name="metrale-input", daemon=True).start()
+    while True:
+        try:
+            kind, value = ready.get_nowait()
+        except queue.Empty:
+            yield None
+            continue
+        if kind == "end":
+            return
+        if kind == "error":
+            raise value
+        yield value
+
+
 def run(plan: RunPlan, backend: Backend, out: IO[str], console: Console) -> int:
     """Generates every line of ``plan.inputs`` into ``out``; returns the exit status."""
     counters = RunCounters(total=count_lines(plan.inputs))
@@ -177,7 +211,9 @@ def run(plan: RunPlan, backend: Backend, out: IO[str], console: Console) -> int:
     started = time.monotonic()
     with live_view(console, backend.stats, counters, plan.progress):
         try:
-            for result in backend.generate(requests()):
+            # Standard input may be a slow pipe: read it on its own thread.
+            source = prefetched(requests()) if "-" in plan.inputs else requests()
+            for result in backend.generate(source):
                 parsed = pending.pop(int(result.request_id))
                 record = result_record(parsed, result, backend.name)
                 writer.put(parsed.ref.number, record, failed=result.error is not None)

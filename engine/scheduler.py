@@ -48,6 +48,12 @@ if TYPE_CHECKING:
     from metrale.engine.loader import LoadedModel
 
 
+# Marks the end of the request stream (``None`` from it means "not yet").
+_END = object()
+# How long an engine with nothing to do waits before asking a quiet source again.
+_IDLE_POLL_S = 0.005
+
+
 class Engine:
     def __init__(
         self,
@@ -110,8 +116,15 @@ class Engine:
             return snap
         return dataclasses.replace(snap, wall_s=time.perf_counter() - self._started)
 
-    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
-        """Results in completion order; rejected requests at once (module doc)."""
+    def generate(self, requests: Iterable[Request | None]) -> Iterator[Result]:
+        """Results in completion order; rejected requests at once (module doc).
+
+        A ``None`` in ``requests`` means "nothing has arrived yet" (a slow
+        pipe): the engine stops pulling for this step and decodes what it
+        holds, or, holding nothing, waits a moment and asks again. A source
+        that can block should hand its items over from a reader thread and
+        yield ``None`` when none is ready, so running sequences never wait
+        for input."""
         stream = iter(requests)
         self._started, self._generating = time.perf_counter(), True
         try:
@@ -120,16 +133,21 @@ class Engine:
             self._generating = False
             self._publish()
 
-    def _run(self, stream: Iterator[Request]) -> Iterator[Result]:
+    def _run(self, stream: Iterator[Request | None]) -> Iterator[Result]:
         exhausted = False
         while True:
             # Pull only what the free slots can take this step, so a huge
             # stream is read as it is consumed.
+            idle_source = False
             while not exhausted and len(self._waiting) < len(self._free_slots):
-                request = next(stream, None)
-                if request is None:
+                request = next(stream, _END)
+                if request is _END:
                     exhausted = True
                     break
+                if request is None:
+                    idle_source = True
+                    break
+                assert isinstance(request, Request)
                 self._counters.requests_total += 1
                 problem = self._rejection(request)
                 if problem is not None:
@@ -141,6 +159,8 @@ class Engine:
             if not (self._waiting or self._prefilling or self._decoding):
                 if exhausted:
                     return
+                if idle_source:
+                    time.sleep(_IDLE_POLL_S)
                 continue
             yield from self._step()
 

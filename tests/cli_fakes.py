@@ -44,9 +44,11 @@ class FakeEngine:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stats: EngineStats = field(default_factory=EngineStats)
 
-    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+    def generate(self, requests: Iterable[Request | None]) -> Iterator[Result]:
         pending: list[Request] = []
         for request in requests:
+            if request is None:  # "nothing ready yet": batches stay fixed in the fake
+                continue
             self.seen.append(request)
             pending.append(request)
             if len(pending) == self.batch:

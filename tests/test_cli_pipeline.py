@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +172,33 @@ def test_default_model_on_sample_prompts(tmp_path: Path) -> None:
     assert all("def " in r["text"] for r in out)
     figures = orjson.loads(stats.read_bytes())
     assert figures["generated_tokens"] == 32 and figures["prompt_lookup"]["accepted"] > 0
+
+
+def test_slow_pipe_answers_each_line_before_the_next_arrives(tiny: Path) -> None:
+    # A producer that waits for each answer before writing the next line (a
+    # conversation driver, `tail -f`) must get it: the engine may not hold
+    # running requests back until its batch fills or the input ends.
+    proc = subprocess.Popen(
+        [str(METRALE), "generate", "-", *TINY_ARGS, "--progress", "off"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={**ENV, "PATH": str(METRALE.parent)},
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    # A stalled run would block readline() for good: end it, so the test fails.
+    watchdog = threading.Timer(90, proc.kill)
+    watchdog.start()
+    try:
+        answers = []
+        for i in range(2):
+            proc.stdin.write(jsonl([{"id": f"turn{i}", "prompt": "abc abc", "max_tokens": 4}]))
+            proc.stdin.flush()
+            answers.append(orjson.loads(proc.stdout.readline()))  # blocks until answered
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    assert [a["id"] for a in answers] == ["turn0", "turn1"]
+    assert all(a["finish_reason"] == "length" for a in answers)

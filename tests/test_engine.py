@@ -131,6 +131,26 @@ def test_requests_are_pulled_lazily_and_results_yielded_as_they_finish() -> None
     assert len(remaining) == 5 and pulled < 20
 
 
+def test_a_quiet_source_does_not_hold_back_running_requests() -> None:
+    # None from the source means "nothing has arrived yet": the engine must
+    # finish what it holds instead of waiting for a full batch.
+    arrived = threading.Event()
+
+    def stream() -> Iterator[Request | None]:
+        yield Request("first", (1, 2, 3), SamplingParams(max_tokens=3))
+        while not arrived.is_set():
+            yield None
+        yield Request("second", (4, 5), SamplingParams(max_tokens=3))
+
+    engine, _ = make_engine("both", FakeModel(num_slots=4), eos=(), max_batch=4)
+    results = engine.generate(stream())
+    first = next(results)
+    assert first.request_id == "first" and first.completion_tokens == 3
+    arrived.set()
+    assert [r.request_id for r in results] == ["second"]
+    assert engine.stats().requests_total == 2
+
+
 def test_chunked_prefill_lets_running_sequences_keep_decoding() -> None:
     model = FakeModel(num_slots=2, max_len=256)
     engine, _ = make_engine("both", model, eos=(), prefill_chunk=8)
