@@ -142,6 +142,10 @@ def bench(
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16, float16 (default: per device).")
     ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(min=1, help="torch intra-op threads for both sides (default: torch's)."),
+    ] = None,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Write the figures here.")
     ] = None,
@@ -173,6 +177,10 @@ def bench(
         raise typer.BadParameter(str(exc)) from exc
     if plot is not None:
         check_plot_available()
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)  # both sides run in this process: same threads
     paths = list(workloads or sample_workloads())
     for path in paths:
         if not path.is_file():
@@ -242,10 +250,12 @@ def _measure(
         for name, rows in lines.items()
     ]
     with err.status("measuring...") as status:
+        # A spinner on a terminal; elsewhere (a log file) one line per run.
+        say = status.update if err.is_terminal else err.log
         if spec is not None:
             try:
-                sweeps = run_sweep(workloads, spec, settings, subjects, sweep_batch, status.update)
+                sweeps = run_sweep(workloads, spec, settings, subjects, sweep_batch, say)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--sweep") from exc
             return subjects, (), sweeps
-        return subjects, run_bench(workloads, settings, subjects, status.update), ()
+        return subjects, run_bench(workloads, settings, subjects, say), ()

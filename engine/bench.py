@@ -161,26 +161,32 @@ class WorkloadReport:
 
 
 def configurations(settings: BenchSettings) -> tuple[Configuration, ...]:
-    """The issue's set: transformers greedy at 1 and ``batch``, its prompt
+    """The issue's set: transformers (HF) greedy at 1 and ``batch``, its prompt
     lookup at 1, and metrale off / MTP / lookup / both at 1 and ``batch``."""
     b = settings.batch
-    hf_pl = f"transformers prompt lookup ({settings.hf_lookup_tokens})"
     rows = [
-        Configuration(REFERENCE, "transformers greedy", "transformers", 1),
-        Configuration("hf-lookup-b1", hf_pl, "transformers", 1, "off", settings.hf_lookup_tokens),
+        Configuration(REFERENCE, "HF greedy", "transformers", 1),
+        Configuration(
+            "hf-lookup-b1",
+            f"HF prompt lookup {settings.hf_lookup_tokens}",
+            "transformers",
+            1,
+            "off",
+            settings.hf_lookup_tokens,
+        ),
     ]
     rows += _metrale_rows(1)
-    rows.append(Configuration(f"hf-greedy-b{b}", "transformers greedy", "transformers", b))
+    rows.append(Configuration(f"hf-greedy-b{b}", "HF greedy", "transformers", b))
     rows += _metrale_rows(b)
     return tuple(rows)
 
 
 def _metrale_rows(batch: int) -> list[Configuration]:
     labels: dict[Speculation, str] = {
-        "off": "metrale, speculation off",
-        "mtp": "metrale, MTP only",
-        "lookup": "metrale, prompt lookup only",
-        "both": "metrale, MTP + prompt lookup",
+        "off": "metrale, no drafts",
+        "mtp": "metrale, MTP",
+        "lookup": "metrale, lookup",
+        "both": "metrale, MTP+lookup",
     }
     return [
         Configuration(f"metrale-{mode}-b{batch}", label, "metrale", batch, mode)

@@ -93,7 +93,7 @@ def test_bench_measures_every_configuration_and_outputs_agree(
 ) -> None:
     result = bench(tiny_args(mtp_checkpoint, workload, tmp_path / "bench.json", repeats=2))
     assert result.exit_code == 0, result.output
-    assert "MTP + prompt lookup" in result.output and "FAILED" not in result.output
+    assert "metrale, MTP+lookup" in result.output and "FAILED" not in result.output
     doc = json.loads((tmp_path / "bench.json").read_text())
     (report,) = doc["workloads"]
     assert report["name"] == "echo"
