@@ -102,7 +102,9 @@ def main() -> None:
     )
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="intra-op threads (default: torch's)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -11,7 +11,9 @@ All rows of a forward run as one packed batch: one matmul per projection for
 every token of every segment, one attention call for all segments (padded to
 the longest), KV written by one index op per layer. q/k/v and gate/up weights
 are fused at load time so a decode step costs few, large ops. Everything runs
-under ``torch.inference_mode``.
+under ``torch.inference_mode``, so the returned logits and hidden states are
+inference tensors: read them freely, but clone before modifying them in place
+outside inference mode.
 """
 
 from __future__ import annotations
