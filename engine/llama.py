@@ -40,15 +40,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-# Up to this many rows, ``w @ x.T`` beats ``x @ w.T`` on the CPU: the kernel
-# then streams the weight once along its rows (measured 0.5-0.8x the time of
-# F.linear for 1-16 rows on the default model's shapes, one thread, float32).
+# Up to this many rows, ``w @ x.T`` beats ``x @ w.T`` in float32 on the CPU:
+# the kernel then streams the weight once along its rows (measured 0.5-0.8x
+# the time of F.linear for 1-16 rows on the default model's shapes). In
+# bfloat16 it is slower than F.linear, so it is float32-only.
 SKINNY_ROWS = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]``, ``weight`` ``[out, in]``."""
-    if x.shape[0] > SKINNY_ROWS or x.device.type != "cpu":
+    if x.shape[0] > SKINNY_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t().contiguous()  # [rows, out]
     return out if bias is None else out.add_(bias)
