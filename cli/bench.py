@@ -14,6 +14,7 @@ anything is measured.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -203,6 +204,10 @@ def bench(
     raise typer.Exit(EXIT_MISMATCH if failed else 0)
 
 
+def _stamped(message: str) -> str:
+    return f"[dim]{time.strftime('%H:%M:%S')}[/] {message}"
+
+
 def _measure(
     paths: list[Path],
     model: str | None,
@@ -251,7 +256,7 @@ def _measure(
     ]
     with err.status("measuring...") as status:
         # A spinner on a terminal; elsewhere (a log file) one line per run.
-        say = status.update if err.is_terminal else err.log
+        say = status.update if err.is_terminal else (lambda m: err.print(_stamped(m)))
         if spec is not None:
             try:
                 sweeps = run_sweep(workloads, spec, settings, subjects, sweep_batch, say)

@@ -64,8 +64,8 @@ COLUMNS = (
     ("×HF", "right"),
     ("tok/verify", "right"),
     ("passes/tok", "right"),
-    ("copies/prop/acc", "right"),
-    ("MTP acc. by depth", "right"),
+    ("copies c/p/a", "right"),
+    ("MTP acc/depth", "right"),
     ("peak MB", "right"),
     ("output", "left"),
 )
@@ -74,11 +74,11 @@ COLUMNS = (
 def workload_table(report: WorkloadReport, info: ModelInfo, repeats: int) -> Table:
     table = Table(
         title=f"{report.name}: {report.num_requests} prompts, greedy, {info.dtype} on "
-        f"{info.device}, median of {repeats} runs",
+        f"{info.device}, median of {repeats} run{'s' if repeats != 1 else ''}",
         title_justify="left",
     )
     for name, justify in COLUMNS:
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        table.add_column(name, justify=justify, no_wrap=name == "configuration")  # type: ignore[arg-type]
     for f in report.figures:
         if not f.available:
             table.add_row(f.label, str(f.batch), *[DASH] * 7, _output_cell(f))
