@@ -246,7 +246,13 @@ def write_plot(path: Path, reports: Sequence[WorkloadReport]) -> None:
     matplotlib.use("Agg")  # no display: write the file only
     import matplotlib.pyplot as plt
 
-    keys = [f.key for f in reports[0].figures if not f.key.startswith("hf-greedy-")]
+    # The peers are 1.0 by definition; configurations that never ran have no bar.
+    keys = [
+        f.key
+        for f in reports[0].figures
+        if not f.key.startswith("hf-greedy-")
+        and any(g.available for r in reports for g in r.figures if g.key == f.key)
+    ]
     labels = {f.key: f"{f.label} (b{f.batch})" for f in reports[0].figures}
     width = 0.8 / max(len(keys), 1)
     fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(reports)), 5))

@@ -260,3 +260,35 @@ def test_workload_requests_are_split_by_batch_size() -> None:
     assert [r.request_id for r in w.requests_for(1, 2)] == ["0", "1"]
     assert [r.request_id for r in w.requests_for(4, 2)] == ["0", "1", "2", "3"]
     assert len(w.requests_for(1, None)) == 5
+
+
+def test_plot_draws_one_bar_series_per_configuration_with_its_speedups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """matplotlib is an optional extra: a stand-in records what would be drawn."""
+    import sys
+    from unittest import mock
+
+    from metrale.cli.bench_view import write_plot
+    from metrale.engine.bench import WorkloadReport
+
+    pyplot = mock.MagicMock()
+    fig, ax = mock.MagicMock(), mock.MagicMock()
+    pyplot.subplots.return_value = (fig, ax)
+    fig.savefig.side_effect = lambda path, dpi: Path(path).write_bytes(b"png")
+    matplotlib = mock.MagicMock(pyplot=pyplot)
+    monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+
+    def report(name: str, lookup_ratio: float) -> WorkloadReport:
+        figures = (
+            Figures("hf-greedy-b1", "HF greedy", "transformers", 1, ratio=1.0),
+            Figures("metrale-lookup-b1", "metrale, lookup", "metrale", 1, ratio=lookup_ratio),
+            Figures("metrale-mtp-b1", "metrale, MTP", "metrale", 1, available=False),
+        )
+        return WorkloadReport(name, 4, figures)
+
+    write_plot(tmp_path / "chart.png", [report("code", 2.5), report("prose", 1.25)])
+    assert (tmp_path / "chart.png").read_bytes() == b"png"
+    series = {call.kwargs["label"]: call.args[1] for call in ax.bar.call_args_list}
+    assert series == {"metrale, lookup (b1)": [2.5, 1.25]}  # no bar for what never ran
