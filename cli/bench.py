@@ -38,7 +38,8 @@ from metrale.engine.config import MtpLadder, RuntimeConfig
 from metrale.lookup import PromptLookupConfig
 
 if TYPE_CHECKING:
-    from metrale.engine.bench import BenchSettings, WorkloadReport
+    from metrale.engine.bench import BenchSettings
+    from metrale.engine.bench_figures import WorkloadReport
     from metrale.engine.bench_runners import Subjects
     from metrale.engine.bench_sweep import SweepReport, SweepSpec
 

@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from metrale.engine.bench import BenchSettings, Figures, Mismatch, WorkloadReport
+    from metrale.engine.bench import BenchSettings
+    from metrale.engine.bench_figures import Figures, Mismatch, WorkloadReport
     from metrale.engine.bench_sweep import SweepReport
     from metrale.engine.loader import ModelInfo
 
@@ -71,9 +72,16 @@ COLUMNS = (
 )
 
 
+def _prompts(report: WorkloadReport) -> str:
+    single = report.single_requests
+    if single is None or single == report.num_requests:
+        return f"{report.num_requests} prompts"
+    return f"{single} prompts at batch 1, {report.num_requests} batched"
+
+
 def workload_table(report: WorkloadReport, info: ModelInfo, repeats: int) -> Table:
     table = Table(
-        title=f"{report.name}: {report.num_requests} prompts, greedy, {info.dtype} on "
+        title=f"{report.name}: {_prompts(report)}, greedy, {info.dtype} on "
         f"{info.device}, median of {repeats} run{'s' if repeats != 1 else ''}",
         title_justify="left",
     )

@@ -18,14 +18,7 @@ differing request. transformers' own batched run (left padding) may
 legitimately differ in float arithmetic; its differences are reported as a
 note, not a failure.
 
-Figures (``Figures``): tokens/s = generated tokens / median wall time;
-``ratio`` = tokens/s over transformers greedy at the same batch size;
-``mean_tokens_per_verify`` is the engine's (accepted drafts + the bonus
-token per sequence verify, so plain decoding scores 1.0; metrale only);
-``passes_per_token`` = forward passes of the main model (prefill included,
-one batched pass counts once) per generated token; ``peak_mb`` is described in
-``bench_memory`` plus the weights and preallocated caches the configuration
-holds (on CPU; CUDA's figure includes them already).
+Figures and their definitions: ``bench_figures``.
 """
 
 from __future__ import annotations
@@ -36,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from metrale.engine.api import Request
+from metrale.engine.bench_figures import Figures, Side, WorkloadReport, first_mismatch
 from metrale.engine.bench_memory import PeakMemory, frozen_heap
 from metrale.engine.bench_runners import (
     HfRunner,
@@ -48,7 +42,6 @@ from metrale.engine.bench_runners import (
 from metrale.engine.config import EngineConfig, MtpLadder
 from metrale.lookup import PromptLookupConfig
 
-Side = Literal["transformers", "metrale"]
 Speculation = Literal["off", "mtp", "lookup", "both"]
 REFERENCE = "hf-greedy-b1"
 NO_MTP = "n/a: the model has no MTP layers"
@@ -106,58 +99,6 @@ class Workload:
     def requests_for(self, batch: int, single_prompts: int | None) -> tuple[Request, ...]:
         """What a configuration of ``batch`` decodes (see the module doc)."""
         return self.requests[: single_prompts if batch == 1 else batch]
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """The first request (in workload order) whose output differs from the
-    reference; ``position`` is the index of the first differing output token."""
-
-    request_id: str
-    position: int
-    expected: tuple[int, ...]
-    got: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Figures:
-    """One configuration on one workload (see the module doc for definitions).
-    ``available`` is False when it could not run (``note`` says why)."""
-
-    key: str
-    label: str
-    side: Side
-    batch: int
-    available: bool = True
-    note: str = ""
-    wall_s: tuple[float, ...] = ()
-    generated_tokens: int = 0
-    tokens_per_s: float = 0.0
-    ratio: float | None = None
-    mean_tokens_per_verify: float | None = None
-    passes_per_token: float | None = None
-    copies: int | None = None
-    copy_proposed: int | None = None
-    copy_accepted: int | None = None
-    mtp_acceptance: tuple[float, ...] = ()  # accepted / proposed at chain depth 1, 2, ...
-    peak_mb: float | None = None
-    mismatch: Mismatch | None = None
-
-    @property
-    def is_failure(self) -> bool:
-        """A difference from the reference, except transformers' own batched run."""
-        return self.mismatch is not None and not (self.side == "transformers" and self.batch > 1)
-
-
-@dataclass(frozen=True)
-class WorkloadReport:
-    name: str
-    num_requests: int
-    figures: tuple[Figures, ...]
-
-    @property
-    def failures(self) -> tuple[Figures, ...]:
-        return tuple(f for f in self.figures if f.is_failure)
 
 
 def configurations(settings: BenchSettings) -> tuple[Configuration, ...]:
@@ -236,7 +177,12 @@ def bench_workload(
         else Figures(c.key, c.label, c.side, c.batch, available=False, note=NO_MTP)
         for c in configs
     ]
-    return WorkloadReport(workload.name, len(workload.requests), tuple(_with_ratios(figures)))
+    return WorkloadReport(
+        workload.name,
+        len(workload.requests_for(settings.batch, settings.single_prompts)),
+        tuple(_with_ratios(figures)),
+        len(workload.requests_for(1, settings.single_prompts)),
+    )
 
 
 Runner = MetraleRunner | HfRunner
@@ -280,21 +226,6 @@ def warmup_requests(workload: Workload, batch: int, tokens: int) -> list[Request
         replace(r, params=replace(r.params, max_tokens=min(tokens, r.params.max_tokens)))
         for r in workload.requests[:batch]
     ]
-
-
-def first_mismatch(
-    reference: dict[str, tuple[int, ...]], outputs: dict[str, tuple[int, ...]], order: Sequence[str]
-) -> Mismatch | None:
-    """The first request of ``order`` whose output differs from the reference."""
-    for request_id in order:
-        expected, got = reference[request_id], outputs.get(request_id, ())
-        if expected != got:
-            position = next(
-                (i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b),
-                min(len(expected), len(got)),
-            )
-            return Mismatch(request_id, position, expected, got)
-    return None
 
 
 def _runner(config: Configuration, settings: BenchSettings, subjects: Subjects) -> Runner:

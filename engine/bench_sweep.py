@@ -22,16 +22,15 @@ from dataclasses import dataclass, replace
 from metrale.engine.bench import (
     BenchSettings,
     Configuration,
-    Mismatch,
     Progress,
     Runner,
     Speculation,
     TimedRuns,
     Workload,
     engine_config,
-    first_mismatch,
     timed_runs,
 )
+from metrale.engine.bench_figures import Mismatch, first_mismatch
 from metrale.engine.bench_memory import frozen_heap
 from metrale.engine.bench_runners import MetraleRunner, Subjects
 from metrale.engine.config import MtpLadder

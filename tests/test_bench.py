@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from metrale.cli.main import app
 from metrale.engine.api import Request
-from metrale.engine.bench import Figures, Mismatch, first_mismatch
+from metrale.engine.bench_figures import Figures, Mismatch, WorkloadReport, first_mismatch
 from metrale.engine.bench_runners import MetraleRunner, RunOutcome
 from metrale.engine.bench_sweep import parse_sweep
 from tests.checkpoints import write_tiny_checkpoint
@@ -270,7 +270,6 @@ def test_plot_draws_one_bar_series_per_configuration_with_its_speedups(
     from unittest import mock
 
     from metrale.cli.bench_view import write_plot
-    from metrale.engine.bench import WorkloadReport
 
     pyplot = mock.MagicMock()
     fig, ax = mock.MagicMock(), mock.MagicMock()
