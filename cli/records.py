@@ -22,6 +22,7 @@ import orjson
 
 from metrale.cli.jsonl import LineError, LineFormat, ParsedLine, id_key
 from metrale.engine.api import RequestStats, Result
+from metrale.engine.stats import EngineStats
 
 
 def result_record(parsed: ParsedLine, result: Result, model_name: str) -> dict[str, Any]:
@@ -110,6 +111,14 @@ def speculation(stats: RequestStats) -> dict[str, Any]:
         "verify_tokens": stats.verify_tokens,
         "mean_tokens_per_verify": round(stats.mean_tokens_per_verify, 3),
         "mtp": {"proposed": stats.mtp_proposed, "accepted": stats.mtp_accepted},
+        **copy_figures(stats),
+    }
+
+
+def copy_figures(stats: RequestStats | EngineStats) -> dict[str, dict[str, int]]:
+    """Prompt-lookup figures, of one request or of the run: ``prompt_lookup``
+    counts every copy, ``shared_lookup`` the part the shared cache supplied."""
+    return {
         "prompt_lookup": {
             "copies": stats.copies,
             "proposed": stats.copy_proposed,

@@ -40,7 +40,7 @@ from metrale.cli.jsonl import (
 )
 from metrale.cli.live import RunCounters, live_view
 from metrale.cli.options import OutputOrder
-from metrale.cli.records import dumps, error_record, result_record
+from metrale.cli.records import copy_figures, dumps, error_record, result_record
 from metrale.engine.api import Request, Result
 from metrale.engine.stats import EngineStats
 
@@ -257,16 +257,7 @@ def run_figures(
         "mean_tokens_per_verify": stats.mean_tokens_per_verify,
         "wall_s": wall_s,
         "tokens_per_s": stats.generated_tokens / wall_s if wall_s > 0 else 0.0,
-        "prompt_lookup": {
-            "copies": stats.copies,
-            "proposed": stats.copy_proposed,
-            "accepted": stats.copy_accepted,
-        },
-        "shared_lookup": {
-            "copies": stats.shared_copies,
-            "proposed": stats.shared_proposed,
-            "accepted": stats.shared_accepted,
-        },
+        **copy_figures(stats),
         "mtp": {
             "proposed": stats.mtp_proposed,
             "accepted": stats.mtp_accepted,
