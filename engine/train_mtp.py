@@ -126,7 +126,7 @@ class TrainResult:
     tensors: dict[str, torch.Tensor]
     steps: int
     train_tokens: int  # trained positions per epoch
-    heldout_tokens: int
+    heldout_tokens: int  # answer positions of the held-out sequences
     seconds: float
     final_loss: float
     heldout_eval: EvalReport | None
