@@ -3,6 +3,7 @@ and of the head shipped for the default model."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,15 @@ from metrale.engine.train_mtp import (
 from tests.checkpoints import write_tiny_checkpoint
 
 MAX_LEN = 96
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread is faster, and steadier on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +225,7 @@ def test_generated_answers_carry_the_hidden_states_a_forward_computes(
 def test_the_shipped_head_loads_with_the_default_model_and_drafts() -> None:
     if not (HEADS_DIR / "smollm2-135m-instruct.safetensors").exists():
         pytest.fail("the shipped head engine/heads/smollm2-135m-instruct.safetensors is missing")
-    loaded = load_model(None, RuntimeConfig(num_slots=1, max_len=256))
+    loaded = load_model(None, RuntimeConfig(num_slots=1, max_len=128))
     assert loaded.info.mtp_layout == "head" and len(loaded.mtp) == 1
     prompt = loaded.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write one sentence about the sea."}],
@@ -224,7 +234,7 @@ def test_the_shipped_head_loads_with_the_default_model_and_drafts() -> None:
     )
     if not isinstance(prompt, list):
         prompt = prompt["input_ids"]
-    params = SamplingParams(max_tokens=24, eos_token_ids=loaded.eos_token_ids)
+    params = SamplingParams(max_tokens=12, eos_token_ids=loaded.eos_token_ids)
     request = Request("r", tuple(prompt), params)
     engine = Engine.from_loaded(loaded, EngineConfig(max_batch=1, prompt_lookup=None))
     (result,) = list(engine.generate([request]))
