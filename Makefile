@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The shipped sample workload `make run` generates on.
 RUN_INPUT ?= sample_prompts/code_edits.jsonl
 
-.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine mtp-head clean
+.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine mtp-head mtp-eval clean
 
 all: test
 
@@ -67,6 +67,26 @@ bench-runtime: setup
 # dtype and threads), and the engine with speculation over without.
 bench-engine: setup
 	$(PY) -m metrale.engine.bench_engine
+
+# The MTP head shipped for the embedded SmolLM2-135M-Instruct, from scratch:
+# instruct prompts over standard-library code and docs, JSON and prose
+# (training/make_prompts.py; never the sample_prompts/ files), answered by the
+# model itself, then one head self-distilled on those answers. On two CPU
+# cores shared with other jobs it took about 70 minutes (the model answering
+# 333 prompts ~55, training ~12); an interrupted run resumes. See the card
+# engine/heads/smollm2-135m-instruct.json for what went in.
+MTP_PROMPTS ?= 333
+MTP_WORK ?= build/mtp-head
+mtp-head: setup
+	$(PY) training/make_prompts.py $(MTP_WORK)/prompts.jsonl --count $(MTP_PROMPTS) --seed 0
+	nice -n 10 $(VENV)/bin/metrale train-mtp --data $(MTP_WORK)/prompts.jsonl \
+		--out engine/heads/smollm2-135m-instruct --work-dir $(MTP_WORK)/work \
+		--epochs 6 --batch-tokens 2048 --prompt-weight 0.5 --feature-weight 1.0 \
+		--eval-every 100 --seed 0 --threads 1
+
+# Held-out figures of the shipped head on sample_prompts/ (MTP only, chain 3).
+mtp-eval: setup
+	nice -n 10 $(PY) training/eval_head.py --json build/mtp_eval.json
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache
