@@ -9,7 +9,8 @@ the two coincide).
 
 - **Cache.** One forward of the frozen model per sequence gives the pre-norm
   hidden states ``h`` (stored in bfloat16) and the argmax targets; they are
-  computed once, saved in ``work_dir``, and reused by every epoch and resume.
+  computed once, saved in ``work_dir``, and reused by every epoch and resume
+  (``train_cache.py``).
 - **Steps.** A step packs whole sequences until ``batch_tokens`` trained
   positions; the batch order of epoch ``e`` depends only on ``(seed, e)``.
   With ``vocab="seen"`` the softmax runs over the tokens that occur as targets
@@ -29,9 +30,7 @@ Progress goes through callbacks; nothing here prints.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -42,9 +41,29 @@ import torch
 import torch.nn.functional as F
 
 from metrale.engine.llama import LlamaModel
-from metrale.engine.model import Segment
+from metrale.engine.train_cache import (
+    CachedSequence,
+    ProgressFn,
+    TrainProgress,
+    atomic_save,
+    cache_sequences,
+    num_trained,
+    split_heldout,
+)
 from metrale.engine.train_data import TrainSequence
 from metrale.engine.train_head import TrainableHead
+
+__all__ = [
+    "CachedSequence",
+    "EvalReport",
+    "TrainConfig",
+    "TrainProgress",
+    "TrainResult",
+    "Trainer",
+    "cache_sequences",
+    "evaluate",
+    "train_mtp",
+]
 
 
 @dataclass(frozen=True)
@@ -91,16 +110,6 @@ class TrainConfig:
             raise ValueError("--vocab must be 'seen' or 'full'")
 
 
-@dataclass
-class CachedSequence:
-    """What training reads for one sequence of ``n + 1`` tokens (``n`` positions)."""
-
-    next_ids: torch.Tensor  # [n] token p+1 at position p
-    hidden: torch.Tensor  # [n, hidden] the model's h_p, bfloat16
-    targets: torch.Tensor  # [n] the model's argmax at p+1 (its guess at token p+2)
-    first: int  # first trained position
-
-
 @dataclass(frozen=True)
 class EvalReport:
     positions: int
@@ -110,15 +119,6 @@ class EvalReport:
     def tokens_per_verify(self) -> float:
         """Expected tokens per verify at this chain length, counting the bonus token."""
         return 1.0 + sum(self.accepted)
-
-
-@dataclass(frozen=True)
-class TrainProgress:
-    stage: Literal["cache", "train"]
-    done: int
-    total: int
-    loss: float = math.nan
-    tokens_per_s: float = 0.0
 
 
 @dataclass
@@ -133,87 +133,7 @@ class TrainResult:
     train_eval: EvalReport | None
 
 
-ProgressFn = Callable[[TrainProgress], None]
 EvalFn = Callable[[int, EvalReport], None]
-
-
-def cache_sequences(
-    model: LlamaModel,
-    sequences: Sequence[TrainSequence],
-    work_dir: Path | None = None,
-    on_progress: ProgressFn | None = None,
-) -> list[CachedSequence]:
-    """Hidden states and targets for ``sequences``, from ``work_dir`` when cached.
-    Sequences longer than the model's ``max_len`` are cut to it."""
-    key = fingerprint(sequences, model.max_len)
-    path = work_dir / f"cache-{key}.pt" if work_dir is not None else None
-    if path is not None and path.exists():
-        loaded: list[CachedSequence] = [CachedSequence(**d) for d in torch.load(path)]
-        return loaded
-    cached = []
-    for i, seq in enumerate(sequences):
-        cached.append(_recorded(seq) if seq.hidden is not None else _computed(model, seq))
-        if on_progress is not None:
-            on_progress(TrainProgress("cache", i + 1, len(sequences)))
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_save([asdict(c) for c in cached], path)
-    return cached
-
-
-def _computed(model: LlamaModel, seq: TrainSequence) -> CachedSequence:
-    """One forward of the frozen model gives ``h`` and its argmax at every position."""
-    ids = list(seq.token_ids[: model.max_len])
-    out = model.forward([Segment(0, 0, ids)], logits="all")
-    predicted = out.logits.argmax(-1)  # [len(ids)] the model's guess at token j+1
-    return CachedSequence(
-        next_ids=torch.tensor(ids[1:]),
-        hidden=out.hidden[:-1].to(torch.bfloat16).clone(),
-        targets=predicted[1:].clone(),
-        first=max(seq.loss_start - 1, 0),
-    )
-
-
-def _recorded(seq: TrainSequence) -> CachedSequence:
-    """A greedy answer with the hidden states (and argmaxes) recorded while
-    generating it. Without recorded argmaxes: from the prompt's last position
-    on, the model's argmax at ``p + 1`` *is* token ``p + 2``, and prompt
-    positions get target -1 (never trained). The last position is dropped, as
-    its target was never computed."""
-    assert seq.hidden is not None
-    ids = torch.tensor(seq.token_ids)
-    first = max(seq.loss_start - 1, 0)
-    if seq.predicted is not None:
-        targets = seq.predicted[1:].clone()  # [len - 2] the model's argmax at p + 1
-    else:
-        targets = ids[2:].clone()  # [len - 2]
-        targets[:first] = -1
-    return CachedSequence(next_ids=ids[1:-1], hidden=seq.hidden[:-1], targets=targets, first=first)
-
-
-def fingerprint(sequences: Sequence[TrainSequence], max_len: int) -> str:
-    digest = hashlib.sha256(str(max_len).encode())
-    for seq in sequences:
-        digest.update(f"{seq.loss_start}:{','.join(map(str, seq.token_ids))};".encode())
-    return digest.hexdigest()[:16]
-
-
-def split_heldout(
-    cached: Sequence[CachedSequence], fraction: float, seed: int
-) -> tuple[list[CachedSequence], list[CachedSequence]]:
-    """``(train, heldout)``: a seeded choice of ``fraction`` of the sequences."""
-    order = torch.randperm(len(cached), generator=torch.Generator().manual_seed(seed)).tolist()
-    num_heldout = round(len(cached) * fraction)
-    held = set(order[:num_heldout])
-    return (
-        [c for i, c in enumerate(cached) if i not in held],
-        [c for i, c in enumerate(cached) if i in held],
-    )
-
-
-def num_trained(seq: CachedSequence, first: int | None = None) -> int:
-    """Positions trained from ``first`` (default: the sequence's answer start) on."""
-    return seq.targets.shape[0] - (seq.first if first is None else first)
 
 
 class Trainer:
@@ -391,14 +311,14 @@ def train_mtp(
         tick = now
         every = config.checkpoint_every
         if checkpoint is not None and every and trainer.step % every == 0:
-            _atomic_save(trainer.state(), checkpoint)
+            atomic_save(trainer.state(), checkpoint)
         if heldout and config.eval_every and trainer.step % config.eval_every == 0:
             report = trainer.evaluate(heldout)
             if on_eval is not None:
                 on_eval(trainer.step, report)
             tick = time.perf_counter()  # evaluation time is not training throughput
     if checkpoint is not None:
-        _atomic_save(trainer.state(), checkpoint)
+        atomic_save(trainer.state(), checkpoint)
     if heldout and (report is None or trainer.step % max(config.eval_every, 1) != 0):
         report = trainer.evaluate(heldout)
         if on_eval is not None:
@@ -413,10 +333,3 @@ def train_mtp(
         heldout_eval=report if heldout else None,
         train_eval=None,
     )
-
-
-def _atomic_save(obj: object, path: Path) -> None:
-    """Writes then renames, so an interrupt never leaves half a file."""
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    tmp.replace(path)
