@@ -48,9 +48,7 @@ class MtpLadder:
         if not parts:
             raise ValueError("--mtp-drafts: empty ladder")
         try:
-            steps = tuple(
-                (int(p.split(":")[0]), int(p.split(":")[1])) for p in parts if ":" in p
-            )
+            steps = tuple((int(p.split(":")[0]), int(p.split(":")[1])) for p in parts if ":" in p)
             tail = [p for p in parts if ":" not in p]
             if len(tail) > 1 or (tail and parts[-1] != tail[0]):
                 raise ValueError
