@@ -144,6 +144,13 @@ def bench(
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16, float16 (default: per device).")
     ] = None,
+    weights: Annotated[
+        str,
+        typer.Option(
+            help="metrale's weights: auto (packed in the CPU kernel when present) or dense. "
+            "transformers always runs the dense float32 matrices."
+        ),
+    ] = "auto",
     threads: Annotated[
         int | None,
         typer.Option(min=1, help="torch intra-op threads for both sides (default: torch's)."),
@@ -174,7 +181,7 @@ def bench(
             mtp_ladder=MtpLadder.parse(mtp_drafts),
         )
         spec = parse_sweep(sweep) if sweep is not None else None
-        runtime = RuntimeConfig(device=device, dtype=dtype)
+        runtime = RuntimeConfig(device=device, dtype=dtype, weights=weights)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if plot is not None:

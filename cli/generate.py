@@ -215,6 +215,15 @@ def generate(
         str | None,
         _opt("--dtype", "float32, bfloat16 or float16 (default: per device).", panel=RUNTIME),
     ] = None,
+    weights: Annotated[
+        str,
+        _opt(
+            "--weights",
+            "auto: run weights the model holds packed (the default model's Q4_1) in the "
+            "CPU kernel, same values in a sixth of the bytes; dense: float32 matrices.",
+            panel=RUNTIME,
+        ),
+    ] = "auto",
     stats_json: Annotated[
         Path | None, _opt("--stats-json", "Write the run's figures here as JSON.")
     ] = None,
@@ -248,7 +257,12 @@ def generate(
             shared_lookup=SharedLookupSettings(cache_mb=pl_shared_mb, scopes=pl_shared_scopes),
         )
         runtime = RuntimeConfig(
-            device=device, dtype=dtype, num_slots=max_batch, max_len=max_len, mtp=mtp
+            device=device,
+            dtype=dtype,
+            num_slots=max_batch,
+            max_len=max_len,
+            mtp=mtp,
+            weights=weights,
         )
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed

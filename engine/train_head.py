@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale.engine.checkpoint import ArchSpec
-from metrale.engine.llama import LlamaModel, rms_norm
+from metrale.engine.llama import LlamaModel, as_dense, rms_norm
 from metrale.engine.mtp_head import head_tensor_shapes
 from metrale.engine.rope import apply_rope
 
@@ -41,8 +41,8 @@ class TrainableHead(torch.nn.Module):
         # Cloned outside inference mode: the runtime's tensors are inference
         # tensors, which autograd refuses to save for backward.
         self.embed = model.head.embed.float().clone()  # [vocab, hidden], frozen
-        tied = model.head.lm_head is model.head.embed
-        self.lm_head = self.embed if tied else model.head.lm_head.float().clone()
+        lm_head = as_dense(model.head.lm_head)
+        self.lm_head = self.embed if model.tied else lm_head.float().clone()
         self.cos = model.rope.cos.float().clone()  # [max_len, head_dim]
         self.sin = model.rope.sin.float().clone()
         gen = torch.Generator().manual_seed(seed)

@@ -1,0 +1,125 @@
+"""Weights kept packed in memory and multiplied in float32.
+
+Contract: a checkpoint folder may carry ``packed.safetensors`` beside its
+``model.safetensors``: for some ``[n, k]`` linear weights, the same values in
+a smaller exact encoding (GGUF Q4_1 or Q8_0 blocks, or bfloat16). Decoding a
+packed weight gives, bit for bit, the float32 tensor ``model.safetensors``
+holds under the same name, so the dense and packed runtimes load one model.
+The embedded default model is written with one (its GGUF is Q4_1/Q8_0).
+
+``packed.safetensors`` holds ``{name}.data`` (uint8 ``[n, row_bytes]``) and
+``{name}.scales`` (float32 ``[n, row_scales]``) per weight, and the header
+metadata maps each name to its format.
+
+``PackedWeight.matmul`` runs ``x @ w.T`` in the C kernel for up to
+``KERNEL_ROWS`` rows (decode and verify steps, bound by memory: a quarter
+to a sixth of the bytes of float32 to stream), and decodes the weight once
+and hands it to BLAS above that (prefill, bound by arithmetic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from metrale.engine.packed_kernel import FORMATS, PackedKernel
+
+PACKED_FILE = "packed.safetensors"
+
+# Above this many rows BLAS on the decoded float32 weight is faster than the
+# kernel (measured on the default model's shapes, 2 cores: the kernel wins
+# 3-6x at 1-4 rows, 2x at 16, and breaks even near 48).
+KERNEL_ROWS = 32
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A ``[n, k]`` linear weight in ``fmt`` (``q4_1``, ``q8_0`` or ``bf16``)."""
+
+    fmt: str
+    data: torch.Tensor  # [n, row_bytes] uint8
+    scales: torch.Tensor  # [n, row_scales] float32; [n, 0] for bf16
+    kernel: PackedKernel
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown packed format {self.fmt!r}; known: {', '.join(FORMATS)}")
+        if self.data.dtype != torch.uint8 or self.scales.dtype != torch.float32:
+            raise ValueError("packed data must be uint8 and scales float32")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, row_bytes = self.data.shape
+        per_value = {"q4_1": 0.5, "q8_0": 1.0, "bf16": 2.0}[self.fmt]
+        return n, int(row_bytes / per_value)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scales.nbytes
+
+    def dense(self) -> torch.Tensor:
+        """The float32 weight ``[n, k]``."""
+        n, k = self.shape
+        return self.kernel.decode(self.fmt, self.data, self.scales, n, k)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T`` for ``x`` ``[rows, k]`` float32 -> ``[rows, n]``."""
+        if x.shape[0] > KERNEL_ROWS:
+            return F.linear(x, self.dense())
+        return self.kernel.linear(self.fmt, x.contiguous(), self.data, self.scales, self.shape[0])
+
+    @staticmethod
+    def stack(parts: list[PackedWeight]) -> PackedWeight:
+        """Rows of several weights of one format and width, as one (q/k/v, gate/up)."""
+        first = parts[0]
+        if any(p.fmt != first.fmt or p.shape[1] != first.shape[1] for p in parts):
+            raise ValueError("only packed weights of one format and width can be stacked")
+        data = torch.cat([p.data for p in parts])
+        scales = torch.cat([p.scales for p in parts])
+        return PackedWeight(first.fmt, data, scales, first.kernel)
+
+
+class PackedStore:
+    """The packed weights of a folder, read on demand."""
+
+    def __init__(self, file: Path, formats: dict[str, str], kernel: PackedKernel) -> None:
+        self.file = file
+        self.formats = formats
+        self.kernel = kernel
+
+    @classmethod
+    def open(cls, folder: Path, kernel: PackedKernel) -> PackedStore | None:
+        file = folder / PACKED_FILE
+        if not file.exists():
+            return None
+        with safe_open(str(file), framework="pt") as handle:
+            formats = dict(handle.metadata() or {})
+        formats.pop("format", None)
+        return cls(file, formats, kernel)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.formats
+
+    def get(self, name: str) -> PackedWeight | None:
+        if name not in self.formats:
+            return None
+        with safe_open(str(self.file), framework="pt") as handle:
+            data = handle.get_tensor(f"{name}.data")
+            scales = handle.get_tensor(f"{name}.scales")
+        return PackedWeight(self.formats[name], data, scales, self.kernel)
+
+
+def save_packed(weights: dict[str, tuple[str, torch.Tensor, torch.Tensor]], file: Path) -> None:
+    """Writes ``{name: (fmt, data, scales)}`` in the layout ``PackedStore`` reads."""
+    tensors: dict[str, torch.Tensor] = {}
+    formats = {"format": "pt"}
+    for name, (fmt, data, scales) in weights.items():
+        tensors[f"{name}.data"] = data.contiguous()
+        tensors[f"{name}.scales"] = scales.contiguous()
+        formats[name] = fmt
+    save_file(tensors, str(file), metadata=formats)

@@ -1,0 +1,150 @@
+"""Packed weights: exact decoding, the kernel's products, and a packed model
+that loads and decodes like its dense twin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from metrale.engine.api import Request, SamplingParams
+from metrale.engine.config import EngineConfig, RuntimeConfig
+from metrale.engine.default_model import _packed_blocks
+from metrale.engine.loader import load_model
+from metrale.engine.packed import KERNEL_ROWS, PackedWeight
+from metrale.engine.packed_kernel import PackedKernel, packed_kernel
+from metrale.engine.scheduler import Engine
+from metrale.lookup import PromptLookupConfig
+from tests.checkpoints import write_tiny_checkpoint
+from tests.packing import gguf_blocks, pack_checkpoint, quantize
+
+FORMATS = ("q4_1", "q8_0", "bf16")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PackedKernel:
+    found = packed_kernel()
+    assert found is not None, "the test machine has a C compiler: the kernel must build"
+    return found
+
+
+def packed(kernel: PackedKernel, w: torch.Tensor, fmt: str) -> tuple[PackedWeight, torch.Tensor]:
+    data, scales, dense = quantize(w, fmt)
+    return PackedWeight(fmt, data, scales, kernel), dense
+
+
+def random_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decoding_is_bit_exact(kernel: PackedKernel, fmt: str) -> None:
+    weight, dense = packed(kernel, random_weight(37, 96, seed=1), fmt)
+    assert weight.shape == (37, 96)
+    assert torch.equal(weight.dense(), dense)
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0"])
+def test_gguf_blocks_decode_to_what_gguf_dequantizes(kernel: PackedKernel, gguf_type: str) -> None:
+    # Raw blocks as a GGUF file holds them -> the converter's packing -> the
+    # kernel; the reference is gguf's own numpy dequantizer.
+    data, scales, _ = quantize(random_weight(24, 128, seed=2), gguf_type.lower())
+    raw = gguf_blocks(data, scales, gguf_type.lower())
+    tensor = SimpleNamespace(tensor_type=GGMLQuantizationType[gguf_type], data=raw)
+    found = _packed_blocks(tensor)
+    assert found is not None
+    fmt, block_data, block_scales = found
+    weight = PackedWeight(
+        fmt, torch.from_numpy(block_data.copy()), torch.from_numpy(block_scales), kernel
+    )
+    expected = torch.from_numpy(dequantize(raw, GGMLQuantizationType[gguf_type]).reshape(24, 128))
+    assert torch.equal(weight.dense(), expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, KERNEL_ROWS, KERNEL_ROWS + 5])
+def test_product_equals_the_dense_matmul(kernel: PackedKernel, fmt: str, rows: int) -> None:
+    # 21 output rows: strips of 8 and a remainder of 5.
+    weight, dense = packed(kernel, random_weight(21, 160, seed=3), fmt)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(4))
+    expected = x.double() @ dense.double().T
+    torch.testing.assert_close(weight.matmul(x).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_result_does_not_depend_on_its_batch(kernel: PackedKernel, fmt: str) -> None:
+    # Bit-equal, not close: greedy verification of a 4-row draft must see the
+    # logits a single-row step would.
+    weight, _ = packed(kernel, random_weight(40, 192, seed=5), fmt)
+    x = torch.randn(KERNEL_ROWS, 192, generator=torch.Generator().manual_seed(6))
+    batch = weight.matmul(x)
+    for rows in (1, 2, 5, 7):
+        assert torch.equal(weight.matmul(x[:rows]), batch[:rows])
+    assert torch.equal(weight.matmul(x[13:14]), batch[13:14])
+
+
+def test_stacking_keeps_every_row(kernel: PackedKernel) -> None:
+    a, dense_a = packed(kernel, random_weight(8, 64, seed=7), "q4_1")
+    b, dense_b = packed(kernel, random_weight(5, 64, seed=8), "q4_1")
+    assert torch.equal(PackedWeight.stack([a, b]).dense(), torch.cat([dense_a, dense_b]))
+    c, _ = packed(kernel, random_weight(5, 64, seed=9), "q8_0")
+    with pytest.raises(ValueError, match="one format"):
+        PackedWeight.stack([a, c])
+
+
+def test_a_width_that_is_not_whole_blocks_is_refused(kernel: PackedKernel) -> None:
+    weight = PackedWeight("q8_0", torch.zeros(2, 40, dtype=torch.uint8), torch.ones(2, 1), kernel)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        weight.matmul(torch.zeros(1, 40))
+
+
+@pytest.fixture(scope="module")
+def packed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = write_tiny_checkpoint(
+        tmp_path_factory.mktemp("packed"), "llama", mtp_layout="deepseek", tie_embeddings=True
+    )
+    names = pack_checkpoint(path)
+    assert "model.layers.0.mlp.down_proj.weight" in names
+    return path
+
+
+def test_a_packed_model_loads_packed_and_counts_its_parameters_once(
+    packed_checkpoint: Path,
+) -> None:
+    runtime = RuntimeConfig(device="cpu", dtype="float32", num_slots=2, max_len=64)
+    packed_model = load_model(packed_checkpoint, runtime)
+    dense_model = load_model(
+        packed_checkpoint, RuntimeConfig(**{**vars(runtime), "weights": "dense"})
+    )
+    assert packed_model.info.weights == "packed (q4_1, q8_0)"
+    assert dense_model.info.weights == "dense"
+    assert packed_model.info.parameters == dense_model.info.parameters
+
+
+def test_a_packed_model_is_not_used_off_float32(packed_checkpoint: Path) -> None:
+    runtime = RuntimeConfig(device="cpu", dtype="bfloat16", num_slots=2, max_len=64)
+    assert load_model(packed_checkpoint, runtime).info.weights.startswith("dense (")
+
+
+def test_packed_and_dense_decode_the_same_tokens(packed_checkpoint: Path) -> None:
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [40, 41, 42], list(range(60, 90))]
+    outputs = {}
+    for weights in ("dense", "auto"):
+        runtime = RuntimeConfig(
+            device="cpu", dtype="float32", num_slots=3, max_len=128, weights=weights
+        )
+        loaded = load_model(packed_checkpoint, runtime)
+        for label, lookup in (("plain", None), ("lookup", PromptLookupConfig(min_match=2))):
+            engine = Engine.from_loaded(
+                loaded, EngineConfig(max_batch=3, mtp=lookup is not None, prompt_lookup=lookup)
+            )
+            params = SamplingParams(max_tokens=20)
+            requests = (Request(str(i), tuple(p), params) for i, p in enumerate(prompts))
+            results = {r.request_id: r.output_ids for r in engine.generate(requests)}
+            outputs[weights, label] = results
+    assert outputs["auto", "plain"] == outputs["dense", "plain"]
+    assert outputs["auto", "lookup"] == outputs["auto", "plain"]
