@@ -7,7 +7,8 @@ admit and verify phases and ``settle_copies`` right after the verify.
 Invariants:
 - A copy replaces ``pending_drafts`` only for a grammarless sequence that
   holds drafts, or for any grammarless sequence when no MTP chain is drafted
-  (a model without MTP layers: chain 0, plain prompt-lookup decoding).
+  (a model without MTP layers: chain 0, plain prompt-lookup decoding), or
+  whose drafter declined to draft this step (no draft likely enough: chain 0).
 - A copy is never longer than ``--prompt-lookup-max-drafts``, the slot's draft
   capacity, nor, in a batch of two or more, 3 tokens (a batched verify takes at
   most 4 rows per sequence).
@@ -90,7 +91,8 @@ def take_rounds_with_copies(
     path_cap = cfg.max_drafts if len(seqs) == 1 else BATCHED_COPY_MAX
     took: list[CopyTaken] = []
     for seq in seqs:
-        if seq.grammar is not None or (mtp_drafting and not seq.pending_drafts):
+        declined = seq.drafts_declined and not seq.pending_drafts
+        if seq.grammar is not None or (mtp_drafting and not seq.pending_drafts and not declined):
             continue
         chain = min(len(seq.pending_drafts), ladder_nd)
         slot_cap = min(cfg.max_drafts, seq.draft_capacity(), path_cap)

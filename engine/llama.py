@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from metrale.engine.checkpoint import ArchSpec, WeightStore
 from metrale.engine.kv_cache import RowPlan, SlotKVCache, plan_rows
 from metrale.engine.model import ForwardOutput, LogitRows, Segment
-from metrale.engine.packed import PackedStore, PackedWeight
+from metrale.engine.packed import PackedSource, PackedWeight
 from metrale.engine.rope import RopeTable, apply_rope
 
 # A linear weight: a dense tensor, or packed for the CPU kernel (packed.py).
@@ -89,7 +89,7 @@ def load_block(
     dtype: torch.dtype,
     device: torch.device,
     norm_offset: float = 0.0,
-    packed: PackedStore | None = None,
+    packed: PackedSource | None = None,
 ) -> BlockWeights:
     """Reads ``{prefix}input_layernorm...`` etc. ``norm_offset`` is added to every
     norm weight (1.0 for zero-centred norms such as Qwen3-Next's). Linear
@@ -236,7 +236,7 @@ class LlamaModel:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device,
-        packed: PackedStore | None = None,
+        packed: PackedSource | None = None,
     ) -> None:
         """``packed``: linear weights to run packed (CPU, float32 only)."""
         self.spec = spec

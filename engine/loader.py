@@ -30,8 +30,8 @@ from metrale.engine.llama import LlamaModel
 from metrale.engine.model import Model, MtpModule
 from metrale.engine.mtp import MtpFound, detect_mtp, load_checkpoint_mtp
 from metrale.engine.mtp_head import head_paths, load_mtp_head
-from metrale.engine.packed import PACKED_FILE, PackedStore, PackedWeight
-from metrale.engine.packed_kernel import kernel_problem, packed_kernel
+from metrale.engine.packed import Bf16Source, PackedSource, PackedStore, PackedWeight
+from metrale.engine.packed_kernel import PackedKernel, kernel_problem, packed_kernel
 
 HEADS_DIR = Path(__file__).parent / "heads"
 
@@ -91,7 +91,7 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
     if not runtime.mtp:
         found = None
     max_len = choose_max_len(checkpoint.spec, runtime, dtype, 1 + (found.count if found else 0))
-    packed, weights = _packed_store(folder, runtime, device, dtype)
+    kernel, packed, weights = _packed_source(folder, checkpoint, runtime, device, dtype)
     model = LlamaModel(
         checkpoint.spec,
         checkpoint.hf_config,
@@ -102,7 +102,7 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
         device=device,
         packed=packed,
     )
-    mtp = _load_mtp(model, checkpoint, found, head)
+    mtp = _load_mtp(model, checkpoint, found, head, kernel)
     tokenizer = _tokenizer(folder)
     info = ModelInfo(
         name=name,
@@ -123,32 +123,53 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
     return LoadedModel(model, list(mtp), tokenizer, eos, info, name)
 
 
-def _packed_store(
-    folder: Path, runtime: RuntimeConfig, device: torch.device, dtype: torch.dtype
-) -> tuple[PackedStore | None, str]:
-    """The folder's packed weights when they can run here, and what ``info`` says."""
-    if runtime.weights == "dense" or not (folder / PACKED_FILE).exists():
-        return None, "dense"
+def _packed_source(
+    folder: Path,
+    checkpoint: Checkpoint,
+    runtime: RuntimeConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[PackedKernel | None, PackedSource | None, str]:
+    """The kernel and the model's packed weights when they can run here, and
+    what ``info`` says about the weights."""
+    if runtime.weights == "dense":
+        return None, None, "dense"
     if device.type != "cpu" or dtype != torch.float32:
-        return None, "dense (packed weights run on the CPU in float32 only)"
+        return None, None, "dense (packed weights run on the CPU in float32 only)"
     kernel = packed_kernel()
     if kernel is None:
-        return None, f"dense ({kernel_problem()})"
+        return None, None, f"dense ({kernel_problem()})"
     store = PackedStore.open(folder, kernel)
-    if store is None:
-        return None, "dense"
-    return store, f"packed ({', '.join(sorted(set(store.formats.values())))})"
+    if store is not None:
+        return kernel, store, f"packed ({', '.join(sorted(set(store.formats.values())))})"
+    if _stored_dtype(checkpoint) == torch.bfloat16:
+        return kernel, Bf16Source(checkpoint.weights, kernel), "packed (bf16)"
+    return kernel, None, "dense"
+
+
+def _stored_dtype(checkpoint: Checkpoint) -> torch.dtype:
+    """The dtype the first layer's MLP is stored in."""
+    name = "model.layers.0.mlp.down_proj.weight"
+    if name not in checkpoint.weights:
+        return torch.float32
+    return checkpoint.weights.get(name).dtype
 
 
 def _load_mtp(
-    model: LlamaModel, checkpoint: Checkpoint, found: MtpFound | None, head: Path | None
+    model: LlamaModel,
+    checkpoint: Checkpoint,
+    found: MtpFound | None,
+    head: Path | None,
+    kernel: PackedKernel | None,
 ) -> list[Any]:
+    """The MTP modules; with a kernel, their bfloat16 linear weights run packed."""
     if found is None:
         return []
     if found.layout == "head":
         assert head is not None
-        return [load_mtp_head(head, model)]
-    return list(load_checkpoint_mtp(model, checkpoint.weights, found))
+        return [load_mtp_head(head, model, kernel)]
+    packed = Bf16Source(checkpoint.weights, kernel) if kernel else None
+    return list(load_checkpoint_mtp(model, checkpoint.weights, found, packed))
 
 
 def choose_max_len(

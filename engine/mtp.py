@@ -40,11 +40,13 @@ from metrale.engine.llama import (
     BlockWeights,
     DecoderStack,
     LlamaModel,
+    Weight,
     linear,
     load_block,
     rms_norm,
 )
 from metrale.engine.model import ForwardOutput, LogitRows, Segment
+from metrale.engine.packed import PackedSource
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next", "head")
 _COUNT_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules")
@@ -91,11 +93,11 @@ class MtpWeights:
 
     token_norm: torch.Tensor  # [hidden]
     hidden_norm: torch.Tensor  # [hidden]
-    proj: torch.Tensor  # [hidden, 2 * hidden]
+    proj: Weight  # [hidden, 2 * hidden]
     final_norm: torch.Tensor  # [hidden]
     hidden_first: bool  # MiMo concatenates [hidden, embedding]
     block: BlockWeights
-    lm_head: torch.Tensor | None = None  # [vocab, hidden]
+    lm_head: Weight | None = None  # [vocab, hidden]
 
 
 class MtpLayer:
@@ -152,14 +154,20 @@ class MtpLayer:
         return ForwardOutput(logits=out, hidden=y)
 
 
-def load_checkpoint_mtp(model: LlamaModel, store: WeightStore, found: MtpFound) -> list[MtpLayer]:
-    """Builds the modules a checkpoint ships in one of the public layouts."""
+def load_checkpoint_mtp(
+    model: LlamaModel, store: WeightStore, found: MtpFound, packed: PackedSource | None = None
+) -> list[MtpLayer]:
+    """Builds the modules a checkpoint ships in one of the public layouts;
+    linear weights ``packed`` has are taken from it."""
     return [
-        MtpLayer(model, _read_layout(model, store, found.layout, i)) for i in range(found.count)
+        MtpLayer(model, _read_layout(model, store, found.layout, i, packed))
+        for i in range(found.count)
     ]
 
 
-def _read_layout(model: LlamaModel, store: WeightStore, layout: str, index: int) -> MtpWeights:
+def _read_layout(
+    model: LlamaModel, store: WeightStore, layout: str, index: int, packed: PackedSource | None
+) -> MtpWeights:
     spec, dtype, device = model.spec, model.dtype, model.device
     offset = 1.0 if layout == "qwen3_next" else 0.0
 
@@ -181,12 +189,18 @@ def _read_layout(model: LlamaModel, store: WeightStore, layout: str, index: int)
     token_norm, hidden_norm, proj, final_norm, hidden_first = names
     block_prefix = "mtp.layers.0." if layout == "qwen3_next" else p
     own_head = f"{p}shared_head.head.weight"
+
+    def linear_weight(name: str) -> Weight:
+        return (packed.get(name) if packed else None) or get(name)
+
     return MtpWeights(
         token_norm=get(f"{p}{token_norm}.weight", norm=True),
         hidden_norm=get(f"{p}{hidden_norm}.weight", norm=True),
-        proj=get(f"{p}{proj}.weight"),
+        proj=linear_weight(f"{p}{proj}.weight"),
         final_norm=get(f"{p}{final_norm}.weight", norm=True),
         hidden_first=bool(hidden_first),
-        block=load_block(store, block_prefix, spec, dtype, device, norm_offset=offset),
-        lm_head=get(own_head) if layout == "deepseek" and own_head in store else None,
+        block=load_block(
+            store, block_prefix, spec, dtype, device, norm_offset=offset, packed=packed
+        ),
+        lm_head=linear_weight(own_head) if layout == "deepseek" and own_head in store else None,
     )

@@ -19,6 +19,15 @@ the drafter's own only decides which figures count them (see copies.py).
 
 With several MTP modules only the first is driven, applied repeatedly: every
 public layout ships one, and chaining one module needs one cache.
+
+Confidence: a chain stops at the first position where the module's
+distribution (the one a sampled draft is drawn from; for a greedy request
+the plain softmax) has no token of probability ``min_prob`` or more. Each
+draft costs a verify row and each further position a module forward, and
+an unsure draft is rarely accepted. The decision looks at the distribution
+only, never at the token drawn from it, so speculative sampling stays exact.
+A sequence left without drafts this way is marked ``drafts_declined``: it
+may take a prompt-lookup copy as a model without MTP would (chain 0).
 """
 
 from __future__ import annotations
@@ -47,8 +56,9 @@ class DraftFeed:
 
 
 class MtpDrafter:
-    def __init__(self, module: MtpModule) -> None:
+    def __init__(self, module: MtpModule, min_prob: float = 0.0) -> None:
         self.module = module
+        self.min_prob = min_prob
 
     @property
     def max_len(self) -> int:
@@ -77,16 +87,23 @@ class MtpDrafter:
         depth = 0
         while live:
             argmax = logits.argmax(dim=-1).tolist()  # [num_live]: one device sync a depth
+            sure = self._sure(logits)  # [num_live]
             for k, i in enumerate(live):
                 seq = feeds[i].seq
                 if seq.request.params.greedy:
-                    drafts[i].append(argmax[k])
+                    if sure[k]:
+                        drafts[i].append(argmax[k])
                     continue
-                token, q = _sample_draft(seq, logits[k])
-                drafts[i].append(token)
-                probs[i].append(q)
+                q = target_probs(logits[k][None, :], seq.request.params)[0]  # [vocab]
+                if self.min_prob == 0.0 or float(q.max()) >= self.min_prob:
+                    drafts[i].append(_draw(seq, q))
+                    probs[i].append(q)
             depth += 1
-            keep = [k for k, i in enumerate(live) if feeds[i].num_drafts > depth]
+            keep = [
+                k
+                for k, i in enumerate(live)
+                if len(drafts[i]) == depth and feeds[i].num_drafts > depth
+            ]
             if not keep:
                 break
             live = [live[k] for k in keep]
@@ -104,14 +121,19 @@ class MtpDrafter:
             logits, chain_hidden = out.logits, out.hidden  # [num_live, vocab], [num_live, hidden]
         for i, feed in enumerate(feeds):
             feed.seq.set_drafts(drafts[i], torch.stack(probs[i]) if probs[i] else None)
+            feed.seq.drafts_declined = feed.num_drafts > 0 and not drafts[i]
+
+    def _sure(self, logits: torch.Tensor) -> list[bool]:
+        """Per row of ``logits`` ``[rows, vocab]``: whether the greedy draft is
+        likely enough to propose."""
+        if self.min_prob == 0.0:
+            return [True] * logits.shape[0]
+        top = logits.float().softmax(dim=-1).amax(dim=-1)  # [rows]
+        return (top >= self.min_prob).tolist()
 
 
-def _sample_draft(
-    seq: SeqState,
-    logits: torch.Tensor,  # [vocab]
-) -> tuple[int, torch.Tensor]:
+def _draw(seq: SeqState, q: torch.Tensor) -> int:
     """A sampled request draws its draft from the module's distribution shaped
-    like the target (temperature, top-k, top-p) and keeps it as ``q``."""
+    like the target (temperature, top-k, top-p), kept as ``q``."""
     assert seq.generator is not None, "a sampled request carries its generator"
-    q = target_probs(logits[None, :], seq.request.params)[0]  # [vocab]
-    return draw(q, seq.generator), q
+    return draw(q, seq.generator)

@@ -28,6 +28,8 @@ from safetensors.torch import save_file
 from metrale.engine.checkpoint import ArchSpec, CheckpointError, WeightStore
 from metrale.engine.llama import LlamaModel, load_block
 from metrale.engine.mtp import MtpLayer, MtpWeights
+from metrale.engine.packed import Bf16Source
+from metrale.engine.packed_kernel import PackedKernel
 
 HEAD_FORMAT = "metrale-mtp-head"
 HEAD_VERSION = 1
@@ -118,8 +120,9 @@ def read_card(path: Path) -> dict[str, Any]:
     return card
 
 
-def load_mtp_head(path: Path, model: LlamaModel) -> MtpLayer:
-    """The head at ``path`` as an ``MtpModule`` sharing ``model``'s embedding and LM head."""
+def load_mtp_head(path: Path, model: LlamaModel, kernel: PackedKernel | None = None) -> MtpLayer:
+    """The head at ``path`` as an ``MtpModule`` sharing ``model``'s embedding and LM head.
+    With a ``kernel``, its bfloat16 linear weights run packed (exact, half the bytes)."""
     weights_file = head_paths(path)[0]
     card = read_card(path)
     spec = model.spec
@@ -134,6 +137,7 @@ def load_mtp_head(path: Path, model: LlamaModel) -> MtpLayer:
                 f"this model has {want} (base model of the head: {card.get('base_model')})"
             )
     store = WeightStore.open_file(weights_file)
+    packed = Bf16Source(store, kernel) if kernel else None
 
     def get(name: str) -> torch.Tensor:
         return store.get(name).to(device=model.device, dtype=model.dtype)
@@ -141,9 +145,9 @@ def load_mtp_head(path: Path, model: LlamaModel) -> MtpLayer:
     weights = MtpWeights(
         token_norm=get("enorm.weight"),
         hidden_norm=get("hnorm.weight"),
-        proj=get("eh_proj.weight"),
+        proj=(packed.get("eh_proj.weight") if packed else None) or get("eh_proj.weight"),
         final_norm=get("norm.weight"),
         hidden_first=False,
-        block=load_block(store, "block.", spec, model.dtype, model.device),
+        block=load_block(store, "block.", spec, model.dtype, model.device, packed=packed),
     )
     return MtpLayer(model, weights)

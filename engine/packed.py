@@ -6,6 +6,9 @@ a smaller exact encoding (GGUF Q4_1 or Q8_0 blocks, or bfloat16). Decoding a
 packed weight gives, bit for bit, the float32 tensor ``model.safetensors``
 holds under the same name, so the dense and packed runtimes load one model.
 The embedded default model is written with one (its GGUF is Q4_1/Q8_0).
+A checkpoint stored in bfloat16 needs no such file: ``Bf16Source`` runs its
+bfloat16 linear weights packed as they are (widening to float32 is exact),
+half the bytes of the float32 copy the dense path would make.
 
 ``packed.safetensors`` holds ``{name}.data`` (uint8 ``[n, row_bytes]``) and
 ``{name}.scales`` (float32 ``[n, row_scales]``) per weight, and the header
@@ -21,12 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from metrale.engine.checkpoint import WeightStore
 from metrale.engine.packed_kernel import FORMATS, PackedKernel
 
 PACKED_FILE = "packed.safetensors"
@@ -84,6 +89,12 @@ class PackedWeight:
         return PackedWeight(first.fmt, data, scales, first.kernel)
 
 
+class PackedSource(Protocol):
+    """Where the runtime asks for a linear weight in packed form first."""
+
+    def get(self, name: str) -> PackedWeight | None: ...
+
+
 class PackedStore:
     """The packed weights of a folder, read on demand."""
 
@@ -112,6 +123,24 @@ class PackedStore:
             data = handle.get_tensor(f"{name}.data")
             scales = handle.get_tensor(f"{name}.scales")
         return PackedWeight(self.formats[name], data, scales, self.kernel)
+
+
+class Bf16Source:
+    """The bfloat16 ``[n, k]`` weights of a store, packed as they are."""
+
+    def __init__(self, store: WeightStore, kernel: PackedKernel) -> None:
+        self.store = store
+        self.kernel = kernel
+
+    def get(self, name: str) -> PackedWeight | None:
+        if name not in self.store:
+            return None
+        value = self.store.get(name)
+        if value.dtype != torch.bfloat16 or value.dim() != 2 or value.shape[1] % 32:
+            return None
+        rows = value.shape[0]
+        data = value.contiguous().view(torch.uint8).reshape(rows, -1)  # [n, 2 * k]
+        return PackedWeight("bf16", data, torch.zeros(rows, 0), self.kernel)
 
 
 def save_packed(weights: dict[str, tuple[str, torch.Tensor, torch.Tensor]], file: Path) -> None:

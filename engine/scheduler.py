@@ -74,7 +74,7 @@ class Engine:
         self.model = model
         self.config = config
         self._decode = _as_decode(tokenizer)
-        self._drafter = MtpDrafter(mtp[0]) if mtp and config.mtp else None
+        self._drafter = MtpDrafter(mtp[0], config.mtp_min_prob) if mtp and config.mtp else None
         self._eos = frozenset(eos_token_ids)
         self._scope_fields = (model_name, tokenizer_name, adapter)
         self._shared = _shared_lookup(config)

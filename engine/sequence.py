@@ -42,6 +42,7 @@ class SeqState:
     seq_len: int = 0
     pending_drafts: list[int] = field(default_factory=list)
     pending_probs: torch.Tensor | None = None  # [len(pending_drafts), vocab]
+    drafts_declined: bool = False  # the MTP drafter found no draft likely enough
     grammar: object | None = None
     prompt_lookup: PromptLookupSeq | None = None
     stats: RequestStats = field(default_factory=RequestStats)

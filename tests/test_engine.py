@@ -221,6 +221,21 @@ def test_mtp_chain_length_follows_the_ladder_by_batch_size() -> None:
     assert stats.mtp_accepted == stats.mtp_proposed > 0
 
 
+def test_unsure_mtp_drafts_are_held_back_and_the_sequence_may_copy_instead() -> None:
+    # No softmax peak reaches 0.9999: the drafter declines every chain, so no
+    # MTP draft is verified, and the copies take the free rows (chain 0).
+    always, _ = make_engine("both", mtp_mode="mixed", mtp_min_prob=0.0)
+    never, _ = make_engine("both", mtp_mode="mixed", mtp_min_prob=0.9999)
+    sure = outputs(list(always.generate(requests(PROMPTS))))
+    unsure = outputs(list(never.generate(requests(PROMPTS))))
+    assert sure == unsure
+    for rid, output in unsure.items():
+        assert output == reference_greedy(FakeModel(), PROMPTS[int(rid)], 30, eos=(0,))
+    assert always.stats().mtp_proposed > 0
+    assert never.stats().mtp_proposed == 0
+    assert never.stats().copies > 0 and never.stats().mean_tokens_per_verify > 1.0
+
+
 def test_the_mtp_module_is_fed_every_verified_position_from_the_main_model() -> None:
     model = FakeModel(num_slots=8)
     mtp = FakeMtp(model, "mixed")
