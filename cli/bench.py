@@ -34,7 +34,7 @@ from metrale.cli.bench_view import (
 )
 from metrale.cli.jsonl import LineDefaults, LineError, LineRef, encode, parse_line
 from metrale.engine.api import Request, SamplingParams
-from metrale.engine.config import MtpLadder, RuntimeConfig
+from metrale.engine.config import MTP_MIN_PROB, MtpLadder, RuntimeConfig
 from metrale.lookup import PromptLookupConfig
 
 if TYPE_CHECKING:
@@ -125,6 +125,9 @@ def bench(
     mtp_drafts: Annotated[
         str, typer.Option(help="metrale's MTP ladder, as in `generate`.")
     ] = "8:3,15:2,1",
+    mtp_min_prob: Annotated[
+        float, typer.Option(min=0.0, max=0.999, help="As in `generate`.")
+    ] = MTP_MIN_PROB,
     prompt_lookup_max_drafts: Annotated[int, typer.Option(help="As in `generate`.")] = 8,
     prompt_lookup_max_seqs: Annotated[int, typer.Option(help="As in `generate`.")] = 8,
     prompt_lookup_ngram: Annotated[int, typer.Option(help="As in `generate`.")] = 4,
@@ -179,6 +182,7 @@ def bench(
                 min_match=prompt_lookup_min_match,
             ),
             mtp_ladder=MtpLadder.parse(mtp_drafts),
+            mtp_min_prob=mtp_min_prob,
         )
         spec = parse_sweep(sweep) if sweep is not None else None
         runtime = RuntimeConfig(device=device, dtype=dtype, weights=weights)

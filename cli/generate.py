@@ -23,7 +23,13 @@ from metrale.cli.options import OutputOrder, Progress, env, in_range, range_text
 from metrale.cli.records import done_ids
 from metrale.cli.run import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Backend, RunPlan, run
 from metrale.engine.api import SamplingParams
-from metrale.engine.config import EngineConfig, MtpLadder, RuntimeConfig, SharedLookupSettings
+from metrale.engine.config import (
+    MTP_MIN_PROB,
+    EngineConfig,
+    MtpLadder,
+    RuntimeConfig,
+    SharedLookupSettings,
+)
 from metrale.lookup import PromptLookupConfig
 
 LOOKUP = "Speculation: MTP drafts and prompt-lookup copies"
@@ -103,6 +109,15 @@ def generate(
             "--mtp-drafts", "MTP chain length by batch size: 'running:drafts,...,beyond', or 'N'."
         ),
     ] = "8:3,15:2,1",
+    mtp_min_prob: Annotated[
+        float,
+        _opt(
+            "--mtp-min-prob",
+            "Stop an MTP chain where the module gives no token this probability (0: full chain).",
+            lo=0.0,
+            hi=1.0,
+        ),
+    ] = MTP_MIN_PROB,
     prompt_lookup: Annotated[
         bool,
         _opt(
@@ -245,6 +260,7 @@ def generate(
             max_batch=max_batch,
             mtp=mtp,
             mtp_ladder=MtpLadder.parse(mtp_drafts),
+            mtp_min_prob=mtp_min_prob,
             prompt_lookup=PromptLookupConfig(
                 ngram=pl_ngram,
                 max_drafts=pl_max_drafts,

@@ -39,7 +39,7 @@ from metrale.engine.bench_runners import (
     hf_weight_bytes,
     resident_state_bytes,
 )
-from metrale.engine.config import EngineConfig, MtpLadder
+from metrale.engine.config import MTP_MIN_PROB, EngineConfig, MtpLadder
 from metrale.lookup import PromptLookupConfig
 
 Speculation = Literal["off", "mtp", "lookup", "both"]
@@ -59,6 +59,7 @@ class BenchSettings:
     warmup_tokens: int = 8
     prompt_lookup: PromptLookupConfig = field(default_factory=PromptLookupConfig)
     mtp_ladder: MtpLadder = field(default_factory=MtpLadder)
+    mtp_min_prob: float = MTP_MIN_PROB
 
     def __post_init__(self) -> None:
         if self.single_prompts is not None and self.single_prompts < 1:
@@ -142,6 +143,7 @@ def engine_config(
         max_batch=batch,
         mtp=speculation in ("mtp", "both"),
         mtp_ladder=settings.mtp_ladder,
+        mtp_min_prob=settings.mtp_min_prob,
         prompt_lookup=lookup if speculation in ("lookup", "both") else None,
     )
 

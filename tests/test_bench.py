@@ -85,6 +85,9 @@ def tiny_args(checkpoint: Path, workload: Path, out: Path, repeats: int = 1) -> 
         "cpu",
         "--json",
         str(out),
+        # The tiny random head is never sure of anything: draft its full chain.
+        "--mtp-min-prob",
+        "0",
     ]
 
 

@@ -121,7 +121,14 @@ def test_copies_and_drafts_never_change_greedy_output(tiny: Path, tmp_path: Path
     runs = {}
     for name, extra in {
         "plain": ["--no-mtp", "--no-prompt-lookup"],
-        "spec": ["--prompt-lookup-min-match", "2", "--prompt-lookup-ngram", "2"],
+        "spec": [
+            "--prompt-lookup-min-match",
+            "2",
+            "--prompt-lookup-ngram",
+            "2",
+            "--mtp-min-prob",
+            "0",
+        ],
         "spec-batch-1": ["--max-batch", "1"],
     }.items():
         stats = tmp_path / f"{name}.json"
