@@ -47,6 +47,7 @@ class RowPlan:
     pad_index: torch.Tensor | None  # [num_tokens] into [num_segments * max_rows]; None: no padding
     mask: torch.Tensor | None  # [num_segments, 1, max_rows, ctx_len] bool; None: plain causal
     last_rows: torch.Tensor  # [num_segments] packed row of each segment's last token
+    lone: tuple[int, int] | None = None  # (slot, start) when there is one segment
 
     _grouped: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -115,6 +116,7 @@ def plan_rows(
         pad_index=pad_index,
         mask=mask,
         last_rows=(ends - 1).to(device),
+        lone=(slots[0], segments[0].start) if num_segments == 1 else None,
     )
 
 
@@ -162,7 +164,14 @@ class SlotKVCache:
 
     def write(self, layer: int, plan: RowPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores ``k``/``v`` ``[num_tokens, num_kv_heads, head_dim]`` at each row's slot
-        and position."""
+        and position. One segment is a plain slice copy (a decode step at
+        batch 1 writes 30 layers x 2 of them), several an indexed write."""
+        if plan.lone is not None:
+            slot, start = plan.lone
+            end = start + k.shape[0]
+            self.keys[layer][slot, :, start:end] = k.transpose(0, 1)
+            self.values[layer][slot, :, start:end] = v.transpose(0, 1)
+            return
         self.keys[layer][plan.token_slots, :, plan.positions] = k
         self.values[layer][plan.token_slots, :, plan.positions] = v
 

@@ -167,15 +167,18 @@ class DecoderStack:
         spec = self.spec
         num_tokens = h.shape[0]
         qkv = linear(h, w.qkv, w.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-        q = q.view(num_tokens, spec.num_heads, spec.head_dim)
-        k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        if w.q_norm is not None and w.k_norm is not None:
-            q = rms_norm(q, w.q_norm, spec.rms_norm_eps)
-            k = rms_norm(k, w.k_norm, spec.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        heads, kv_heads = spec.num_heads, spec.num_kv_heads
+        if w.q_norm is None or w.k_norm is None:
+            # q and k sit side by side in qkv: rotate both in one call.
+            qk = qkv[:, : spec.q_size + spec.kv_size].view(num_tokens, heads + kv_heads, -1)
+            q, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=1)
+            v = qkv[:, spec.q_size + spec.kv_size :].view(num_tokens, kv_heads, spec.head_dim)
+        else:
+            q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+            q = rms_norm(q.view(num_tokens, heads, -1), w.q_norm, spec.rms_norm_eps)
+            k = rms_norm(k.view(num_tokens, kv_heads, -1), w.k_norm, spec.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            v = v.view(num_tokens, kv_heads, spec.head_dim)
         self.cache.write(layer, plan, k, v)
         if plan.mask is None:
             out = self._causal_prefill(q, k, v)
