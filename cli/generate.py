@@ -115,7 +115,7 @@ def generate(
             "--mtp-min-prob",
             "Stop an MTP chain where the module gives no token this probability (0: full chain).",
             lo=0.0,
-            hi=1.0,
+            hi=0.99,
         ),
     ] = MTP_MIN_PROB,
     prompt_lookup: Annotated[

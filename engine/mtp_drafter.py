@@ -20,14 +20,18 @@ the drafter's own only decides which figures count them (see copies.py).
 With several MTP modules only the first is driven, applied repeatedly: every
 public layout ships one, and chaining one module needs one cache.
 
-Confidence: a chain stops at the first position where the module's
-distribution (the one a sampled draft is drawn from; for a greedy request
-the plain softmax) has no token of probability ``min_prob`` or more. Each
-draft costs a verify row and each further position a module forward, and
-an unsure draft is rarely accepted. The decision looks at the distribution
-only, never at the token drawn from it, so speculative sampling stays exact.
-A sequence left without drafts this way is marked ``drafts_declined``: it
-may take a prompt-lookup copy as a model without MTP would (chain 0).
+Confidence: a greedy chain stops at the first position where the module's
+softmax has no token of probability ``min_prob`` or more. Each draft costs a
+verify row and each further position a module forward, and an unsure draft
+is rarely accepted. A sampled chain is judged at its first position only
+(the distribution it draws from there), never at a later one: a later
+position's distribution depends on the drafts drawn before it, so stopping
+there would make the chain's length depend on those draws, and the copy
+step, which keeps MTP drafts only when a copy is shorter than the chain,
+would then keep a biased first draft. Judged before any draw, the choice
+leaves speculative sampling exact. A sequence left without drafts this way
+is marked ``drafts_declined``: it may take a prompt-lookup copy as a model
+without MTP would (chain 0).
 """
 
 from __future__ import annotations
@@ -95,7 +99,7 @@ class MtpDrafter:
                         drafts[i].append(argmax[k])
                     continue
                 q = target_probs(logits[k][None, :], seq.request.params)[0]  # [vocab]
-                if self.min_prob == 0.0 or float(q.max()) >= self.min_prob:
+                if depth > 0 or self.min_prob == 0.0 or float(q.max()) >= self.min_prob:
                     drafts[i].append(_draw(seq, q))
                     probs[i].append(q)
             depth += 1

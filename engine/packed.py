@@ -74,10 +74,17 @@ class PackedWeight:
         return self.kernel.decode(self.fmt, self.data, self.scales, n, k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ w.T`` for ``x`` ``[rows, k]`` float32 -> ``[rows, n]``."""
+        """``x @ w.T`` for ``x`` ``[rows, k]`` float32 -> ``[rows, n]``. Rows
+        computed by the kernel (up to ``KERNEL_ROWS``) are batch-invariant."""
+        n, k = self.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
+            raise ValueError(
+                f"a packed [{n}, {k}] weight takes float32 CPU rows of {k}, "
+                f"got {x.dtype} {tuple(x.shape)} on {x.device}"
+            )
         if x.shape[0] > KERNEL_ROWS:
             return F.linear(x, self.dense())
-        return self.kernel.linear(self.fmt, x.contiguous(), self.data, self.scales, self.shape[0])
+        return self.kernel.linear(self.fmt, x.contiguous(), self.data, self.scales, n)
 
     @staticmethod
     def stack(parts: list[PackedWeight]) -> PackedWeight:
@@ -88,6 +95,25 @@ class PackedWeight:
         data = torch.cat([p.data for p in parts])
         scales = torch.cat([p.scales for p in parts])
         return PackedWeight(first.fmt, data, scales, first.kernel)
+
+
+# The byte size of the dense model.safetensors the packed file was written
+# beside; a mismatch means the dense weights changed and the file is stale.
+DENSE_SIZE_KEY = "metrale.dense_size"
+
+
+def packed_is_current(folder: Path) -> bool:
+    """Whether ``folder`` has a packed file written for its dense weights."""
+    file = folder / PACKED_FILE
+    if not file.exists():
+        return False
+    with safe_open(str(file), framework="pt") as handle:
+        return (handle.metadata() or {}).get(DENSE_SIZE_KEY) == _dense_size(folder)
+
+
+def _dense_size(folder: Path) -> str:
+    dense = folder / "model.safetensors"
+    return str(dense.stat().st_size) if dense.exists() else "none"
 
 
 class PackedSource(Protocol):
@@ -106,12 +132,17 @@ class PackedStore:
 
     @classmethod
     def open(cls, folder: Path, kernel: PackedKernel) -> PackedStore | None:
+        """The folder's packed weights; ``None`` when it has none, or when they
+        were written for another ``model.safetensors`` (a folder whose dense
+        weights changed since: its packed copy would be a different model)."""
         file = folder / PACKED_FILE
         if not file.exists():
             return None
         with safe_open(str(file), framework="pt") as handle:
             formats = dict(handle.metadata() or {})
         formats.pop("format", None)
+        if formats.pop(DENSE_SIZE_KEY, None) != _dense_size(folder):
+            return None
         return cls(file, formats, kernel)
 
     def __contains__(self, name: str) -> bool:
@@ -141,13 +172,14 @@ class Bf16Source:
             return None
         rows = value.shape[0]
         data = value.contiguous().view(torch.uint8).reshape(rows, -1)  # [n, 2 * k]
-        return PackedWeight("bf16", data, torch.zeros(rows, 0), self.kernel)
+        return PackedWeight("bf16", data, torch.zeros(rows, 0, dtype=torch.float32), self.kernel)
 
 
 def save_packed(weights: dict[str, tuple[str, torch.Tensor, torch.Tensor]], file: Path) -> None:
-    """Writes ``{name: (fmt, data, scales)}`` in the layout ``PackedStore`` reads."""
+    """Writes ``{name: (fmt, data, scales)}`` in the layout ``PackedStore`` reads,
+    tied to the ``model.safetensors`` beside ``file`` (written first)."""
     tensors: dict[str, torch.Tensor] = {}
-    formats = {"format": "pt"}
+    formats = {"format": "pt", DENSE_SIZE_KEY: _dense_size(file.parent)}
     for name, (fmt, data, scales) in weights.items():
         tensors[f"{name}.data"] = data.contiguous()
         tensors[f"{name}.scales"] = scales.contiguous()

@@ -27,6 +27,12 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 FORMATS = {"q4_1": 0, "q8_0": 1, "bf16": 2}
 
 _pointer, _int64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+# bfloat16 weights have no scales; the kernel still gets a valid address.
+_NO_SCALES = torch.zeros(1)
+
+
+def _scales_ptr(scales: torch.Tensor) -> int:
+    return int(scales.data_ptr()) if scales.numel() else int(_NO_SCALES.data_ptr())
 
 
 class PackedKernel:
@@ -49,7 +55,7 @@ class PackedKernel:
         rows, k = x.shape
         out = torch.empty(rows, n, dtype=torch.float32)
         code = self._linear(
-            FORMATS[fmt], x.data_ptr(), rows, k, data.data_ptr(), scales.data_ptr(), n,
+            FORMATS[fmt], x.data_ptr(), rows, k, data.data_ptr(), _scales_ptr(scales), n,
             out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         _check(code, fmt, k)
@@ -61,7 +67,7 @@ class PackedKernel:
         """The float32 weight ``[n, k]``."""
         out = torch.empty(n, k, dtype=torch.float32)
         code = self._decode(
-            FORMATS[fmt], k, data.data_ptr(), scales.data_ptr(), n, out.data_ptr(),
+            FORMATS[fmt], k, data.data_ptr(), _scales_ptr(scales), n, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         _check(code, fmt, k)
@@ -90,7 +96,7 @@ def packed_kernel() -> PackedKernel | None:
         return None
     try:
         return PackedKernel(ctypes.CDLL(str(_build())))
-    except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         _problem.append(f"the packed-weight kernel is unavailable: {exc}")
         return None
 
@@ -110,7 +116,10 @@ def _build() -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         built = Path(work) / target.name
         result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True
+            [compiler, *FLAGS, str(SOURCE), "-o", str(built)],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")

@@ -10,12 +10,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from safetensors.torch import load_file, save_file
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.default_model import _packed_blocks
 from metrale.engine.loader import load_model
-from metrale.engine.packed import KERNEL_ROWS, PackedWeight
+from metrale.engine.packed import KERNEL_ROWS, PACKED_FILE, PackedStore, PackedWeight, save_packed
 from metrale.engine.packed_kernel import PackedKernel, packed_kernel
 from metrale.engine.scheduler import Engine
 from metrale.lookup import PromptLookupConfig
@@ -148,3 +149,39 @@ def test_packed_and_dense_decode_the_same_tokens(packed_checkpoint: Path) -> Non
             outputs[weights, label] = results
     assert outputs["auto", "plain"] == outputs["dense", "plain"]
     assert outputs["auto", "lookup"] == outputs["auto", "plain"]
+
+
+def test_parts_of_a_fused_weight_in_different_formats_load_dense(
+    kernel: PackedKernel, tmp_path: Path
+) -> None:
+    path = write_tiny_checkpoint(tmp_path / "mixed", "llama", tie_embeddings=True)
+    pack_checkpoint(path)
+    # Re-pack one projection of the fused q/k/v in another format.
+    store = PackedStore.open(path, kernel)
+    assert store is not None
+    weights = {
+        name: (store.formats[name], w.data, w.scales)
+        for name in store.formats
+        if (w := store.get(name)) is not None
+    }
+    name = "model.layers.0.self_attn.k_proj.weight"
+    dense = load_file(str(path / "model.safetensors"))[name]
+    data, scales, _ = quantize(dense, "bf16")
+    weights[name] = ("bf16", data, scales)
+    save_packed(weights, path / PACKED_FILE)
+    loaded = load_model(path, RuntimeConfig(device="cpu", dtype="float32", num_slots=1, max_len=32))
+    block = loaded.model.stack.blocks[0]  # type: ignore[attr-defined]
+    assert isinstance(block.qkv, torch.Tensor) and isinstance(block.gate_up, PackedWeight)
+
+
+def test_a_packed_file_left_from_other_dense_weights_is_ignored(tmp_path: Path) -> None:
+    path = write_tiny_checkpoint(tmp_path / "stale", "llama")
+    pack_checkpoint(path)
+    runtime = RuntimeConfig(device="cpu", dtype="float32", num_slots=1, max_len=32)
+    assert load_model(path, runtime).info.weights.startswith("packed")
+    # The dense weights change (a fine-tune saved over them): the packed copy
+    # no longer describes this model.
+    weights = load_file(str(path / "model.safetensors"))
+    weights["extra.weight"] = torch.zeros(3)
+    save_file(weights, str(path / "model.safetensors"))
+    assert load_model(path, runtime).info.weights == "dense"

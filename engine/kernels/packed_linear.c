@@ -17,7 +17,8 @@
  * Batch invariance: each output is one 8-wide accumulator summed over k in
  * ascending order and reduced the same way, whatever M is and whichever
  * tile computed it. A row's result never depends on the rows beside it, so
- * a verify of 4 rows gives the same logits as 4 single-row steps.
+ * a verify of 4 rows gives the same logits as 4 single-row steps (for as
+ * many rows as the caller sends here: packed.py hands wide products to BLAS).
  *
  * Built on first use by metrale/engine/packed_kernel.py with the system C
  * compiler (-O3 -march=native -fopenmp -ffp-contract=off: no fused
@@ -89,7 +90,7 @@ static void decode_q8_0(const uint8_t *data, const float *scales, float *out, in
 
 /* bfloat16: data [K] 16-bit values, the high half of a float32. */
 static void decode_bf16(const uint8_t *data, const float *scales, float *out, int64_t K) {
-    (void)scales;
+    (void)scales; /* bfloat16 has none: callers pass a valid dummy pointer */
     const uint16_t *h = (const uint16_t *)data;
     for (int64_t k = 0; k < K; k++) {
         uint32_t bits = (uint32_t)h[k] << 16;
@@ -181,20 +182,20 @@ int metrale_packed_linear(
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
+        /* Every thread reaches the worksharing loop, as OpenMP requires; one
+         * without a buffer only reports the failure. */
         float *buf = (float *)malloc(sizeof(float) * NS * K);
-        if (buf == NULL) {
-            failed = 1;
-        } else {
+        failed = buf == NULL;
 #pragma omp for schedule(static)
-            for (int64_t s = 0; s < strips; s++) {
-                const int64_t n0 = s * NS;
-                const int ns = (int)(N - n0 < NS ? N - n0 : NS);
-                for (int n = 0; n < ns; n++)
-                    decode(data + (n0 + n) * row_bytes, scales + (n0 + n) * row_scales, buf + n * K, K);
-                strip_product(x, M, K, buf, ns, out + n0, N);
-            }
-            free(buf);
+        for (int64_t s = 0; s < strips; s++) {
+            if (buf == NULL) continue;
+            const int64_t n0 = s * NS;
+            const int ns = (int)(N - n0 < NS ? N - n0 : NS);
+            for (int n = 0; n < ns; n++)
+                decode(data + (n0 + n) * row_bytes, scales + (n0 + n) * row_scales, buf + n * K, K);
+            strip_product(x, M, K, buf, ns, out + n0, N);
         }
+        free(buf);
     }
     return failed ? -2 : 0;
 }
