@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from metrale.engine.api import Request, SamplingParams
+from metrale.engine.bench_runners import HfRunner
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.default_model import ensure_default_model
 from metrale.engine.loader import LoadedModel, load_model
@@ -111,24 +112,13 @@ def engine_run(
 
 def hf_run(
     model: Any, pad_id: int, prompts: Sequence[Sequence[int]], tokens: int
-) -> Callable[[], None]:
-    width = max(len(p) for p in prompts)
-    # Left padding, as batched generation with a decoder-only model needs.
-    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-
-    def run() -> None:
-        with torch.inference_mode():
-            model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=tokens,
-                min_new_tokens=tokens,
-                do_sample=False,
-                pad_token_id=pad_id,
-            )
-
-    return run
+) -> Callable[[], object]:
+    """transformers' greedy ``generate`` on all ``prompts`` in one left-padded
+    batch, exactly ``tokens`` new tokens each."""
+    runner = HfRunner(model, pad_id, batch=len(prompts), ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens)
+    requests = [Request(str(i), tuple(p), params) for i, p in enumerate(prompts)]
+    return lambda: runner.run(requests)
 
 
 def load_hf(folder: Path, dtype: torch.dtype) -> Any:

@@ -125,15 +125,23 @@ class MetraleRunner:
 
 class HfRunner:
     """transformers ``generate``, greedy, ``batch`` requests per call (left
-    padded), optionally with its prompt-lookup decoding (batch 1 only)."""
+    padded), optionally with its prompt-lookup decoding (batch 1 only).
+    ``ignore_eos`` generates exactly ``max_tokens`` per call, as an engine
+    given no EOS ids does (the forward-speed benchmark compares those)."""
 
     def __init__(
-        self, hf_model: Any, pad_id: int, batch: int = 1, prompt_lookup_tokens: int = 0
+        self,
+        hf_model: Any,
+        pad_id: int,
+        batch: int = 1,
+        prompt_lookup_tokens: int = 0,
+        ignore_eos: bool = False,
     ) -> None:
         if prompt_lookup_tokens and batch != 1:
             raise ValueError("transformers' prompt lookup decodes one sequence at a time")
         self.model, self.pad_id = hf_model, pad_id
         self.batch, self.prompt_lookup_tokens = batch, prompt_lookup_tokens
+        self.ignore_eos = ignore_eos
         self.passes = 0
 
     def _count(self, *_: Any) -> None:
@@ -166,11 +174,14 @@ class HfRunner:
         extra: dict[str, Any] = {}
         if self.prompt_lookup_tokens:
             extra["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
+        max_new = max(r.params.max_tokens for r in chunk)
+        if self.ignore_eos:
+            extra["min_new_tokens"] = max_new
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
-                max_new_tokens=max(r.params.max_tokens for r in chunk),
+                max_new_tokens=max_new,
                 do_sample=False,
                 temperature=None,
                 top_p=None,
