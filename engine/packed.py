@@ -64,10 +64,6 @@ class PackedWeight:
         per_value = {"q4_1": 0.5, "q8_0": 1.0, "bf16": 2.0}[self.fmt]
         return n, int(row_bytes / per_value)
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes + self.scales.nbytes
-
     def dense(self) -> torch.Tensor:
         """The float32 weight ``[n, k]``."""
         n, k = self.shape
@@ -135,18 +131,14 @@ class PackedStore:
         """The folder's packed weights; ``None`` when it has none, or when they
         were written for another ``model.safetensors`` (a folder whose dense
         weights changed since: its packed copy would be a different model)."""
-        file = folder / PACKED_FILE
-        if not file.exists():
+        if not packed_is_current(folder):
             return None
+        file = folder / PACKED_FILE
         with safe_open(str(file), framework="pt") as handle:
             formats = dict(handle.metadata() or {})
-        formats.pop("format", None)
-        if formats.pop(DENSE_SIZE_KEY, None) != _dense_size(folder):
-            return None
+        for key in ("format", DENSE_SIZE_KEY):
+            formats.pop(key, None)
         return cls(file, formats, kernel)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.formats
 
     def get(self, name: str) -> PackedWeight | None:
         if name not in self.formats:
