@@ -22,7 +22,7 @@ and hands it to BLAS above that (prefill, bound by arithmetic).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -43,6 +43,9 @@ PACKED_FILE = "packed.safetensors"
 KERNEL_ROWS = 48
 
 
+_BYTES_PER_VALUE = {"q4_1": 0.5, "q8_0": 1.0, "bf16": 2.0}
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     """A ``[n, k]`` linear weight in ``fmt`` (``q4_1``, ``q8_0`` or ``bf16``)."""
@@ -51,18 +54,16 @@ class PackedWeight:
     data: torch.Tensor  # [n, row_bytes] uint8
     scales: torch.Tensor  # [n, row_scales] float32; [n, 0] for bf16
     kernel: PackedKernel
+    shape: tuple[int, int] = field(init=False)  # [n, k] of the weight it stands for
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown packed format {self.fmt!r}; known: {', '.join(FORMATS)}")
         if self.data.dtype != torch.uint8 or self.scales.dtype != torch.float32:
             raise ValueError("packed data must be uint8 and scales float32")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        n, row_bytes = self.data.shape
-        per_value = {"q4_1": 0.5, "q8_0": 1.0, "bf16": 2.0}[self.fmt]
-        return n, int(row_bytes / per_value)
+        # Read on every product: computed once (frozen, hence object.__setattr__).
+        rows, row_bytes = self.data.shape
+        object.__setattr__(self, "shape", (rows, int(row_bytes / _BYTES_PER_VALUE[self.fmt])))
 
     def dense(self) -> torch.Tensor:
         """The float32 weight ``[n, k]``."""
