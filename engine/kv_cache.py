@@ -48,6 +48,10 @@ class RowPlan:
     mask: torch.Tensor | None  # [num_segments, 1, max_rows, ctx_len] bool; None: plain causal
     last_rows: torch.Tensor  # [num_segments] packed row of each segment's last token
     lone: tuple[int, int] | None = None  # (slot, start) when there is one segment
+    # [num_segments, 4] int64 on the CPU: (slot, start, rows, first packed row),
+    # the segment table of the C attention kernel (kernels/attention.c)
+    segment_table: torch.Tensor | None = None
+    sliding_window: int | None = None
 
     _grouped: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -117,6 +121,14 @@ def plan_rows(
         mask=mask,
         last_rows=(ends - 1).to(device),
         lone=(slots[0], segments[0].start) if num_segments == 1 else None,
+        segment_table=torch.tensor(
+            [
+                (seg.slot, seg.start, n, int(end) - n)
+                for seg, n, end in zip(segments, lens, ends.tolist(), strict=True)
+            ],
+            dtype=torch.int64,
+        ),
+        sliding_window=sliding_window,
     )
 
 

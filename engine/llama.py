@@ -8,8 +8,11 @@ cast back before the weight), so greedy output matches theirs token for token
 at the same dtype.
 
 All rows of a forward run as one packed batch: one matmul per projection for
-every token of every segment, one attention call for all segments (padded to
-the longest), KV written by one index op per layer. q/k/v and gate/up weights
+every token of every segment, one attention call for all segments, KV written
+by one index op per layer. On the CPU in float32, steps of up to
+``KERNEL_ATTENTION_ROWS`` rows per segment attend in metrale's C kernel
+(``kernels/attention.c``: each segment reads only its own cache length);
+others, and prefill, use torch's attention on segments padded to the longest. q/k/v and gate/up weights
 are fused at load time so a decode step costs few, large ops. Everything runs
 under ``torch.inference_mode``, so the returned logits and hidden states are
 inference tensors: read them freely, but clone before modifying them in place
@@ -29,10 +32,16 @@ from metrale.engine.checkpoint import ArchSpec, WeightStore
 from metrale.engine.kv_cache import RowPlan, SlotKVCache, plan_rows
 from metrale.engine.model import ForwardOutput, LogitRows, Segment
 from metrale.engine.packed import PackedSource, PackedWeight
+from metrale.engine.packed_kernel import PackedKernel, packed_kernel
 from metrale.engine.rope import RopeTable, apply_rope
 
 # A linear weight: a dense tensor, or packed for the CPU kernel (packed.py).
 Weight = torch.Tensor | PackedWeight
+
+# Query rows per segment up to which the C kernel attends (decode and verify
+# steps); longer segments are prefill chunks, where torch's blocked attention
+# is faster.
+KERNEL_ATTENTION_ROWS = 32
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -143,18 +152,42 @@ class DecoderStack:
         self.blocks = blocks
         self.cache = cache
         self.group = spec.num_heads // spec.num_kv_heads
+        cpu_float32 = cache.keys[0].device.type == "cpu" and cache.keys[0].dtype == torch.float32
+        self.kernel: PackedKernel | None = packed_kernel() if cpu_float32 else None
 
     def run(self, x: torch.Tensor, plan: RowPlan, rope: RopeTable) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden]`` through every block; returns the new residual."""
-        cos, sin = rope.gather(plan.positions)  # [num_tokens, 1, head_dim] each
+        # The C kernel rotates from the tables by position; torch from gathered rows.
+        cos_sin = None if self.kernel is not None else rope.gather(plan.positions)
         for layer, w in enumerate(self.blocks):
-            x = x + self._attention(
-                rms_norm(x, w.attn_norm, self.spec.rms_norm_eps), w, layer, plan, cos, sin
-            )
-            h = rms_norm(x, w.mlp_norm, self.spec.rms_norm_eps)
-            gate, up = linear(h, w.gate_up).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-            x = x + linear(F.silu(gate) * up, w.down)
+            x = x + self._attention(self._norm(x, w.attn_norm), w, layer, plan, rope, cos_sin)
+            x = x + linear(self._swiglu(linear(self._norm(x, w.mlp_norm), w.gate_up)), w.down)
         return x
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.is_contiguous():
+            return self.kernel.rms_norm(x, weight, self.spec.rms_norm_eps)
+        return rms_norm(x, weight, self.spec.rms_norm_eps)
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of the fused ``[num_tokens, 2 * intermediate]``."""
+        if self.kernel is not None and gate_up.is_contiguous():
+            return self.kernel.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _rotate(
+        self,
+        x: torch.Tensor,  # [num_tokens, heads, head_dim]
+        plan: RowPlan,
+        rope: RopeTable,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        if cos_sin is None:
+            assert self.kernel is not None
+            self.kernel.rope_(x, rope.cos, rope.sin, plan.positions)
+            return x
+        return apply_rope(x, *cos_sin)
 
     def _attention(
         self,
@@ -162,8 +195,8 @@ class DecoderStack:
         w: BlockWeights,
         layer: int,
         plan: RowPlan,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeTable,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         spec = self.spec
         num_tokens = h.shape[0]
@@ -172,17 +205,32 @@ class DecoderStack:
         if w.q_norm is None or w.k_norm is None:
             # q and k sit side by side in qkv: rotate both in one call.
             qk = qkv[:, : spec.q_size + spec.kv_size].view(num_tokens, heads + kv_heads, -1)
-            q, k = apply_rope(qk, cos, sin).split([heads, kv_heads], dim=1)
+            q, k = self._rotate(qk, plan, rope, cos_sin).split([heads, kv_heads], dim=1)
             v = qkv[:, spec.q_size + spec.kv_size :].view(num_tokens, kv_heads, spec.head_dim)
         else:
             q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
             q = rms_norm(q.view(num_tokens, heads, -1), w.q_norm, spec.rms_norm_eps)
             k = rms_norm(k.view(num_tokens, kv_heads, -1), w.k_norm, spec.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self._rotate(q, plan, rope, cos_sin), self._rotate(k, plan, rope, cos_sin)
             v = v.view(num_tokens, kv_heads, spec.head_dim)
-        self.cache.write(layer, plan, k, v)
+        if self.kernel is not None and k.stride() == v.stride():
+            assert plan.segment_table is not None, "plan_rows builds the table"
+            keys, values = self.cache.keys[layer], self.cache.values[layer]
+            self.kernel.kv_write(k, v, keys, values, plan.segment_table)
+        else:
+            self.cache.write(layer, plan, k, v)
         if plan.mask is None:
             out = self._causal_prefill(q, k, v)
+        elif self.kernel is not None and plan.max_rows <= KERNEL_ATTENTION_ROWS:
+            assert plan.segment_table is not None, "plan_rows builds the table"
+            out = self.kernel.attend(
+                q,
+                self.cache.keys[layer],
+                self.cache.values[layer],
+                plan.segment_table,
+                plan.sliding_window or 0,
+                spec.head_dim**-0.5,
+            )
         else:
             out = self._attend_cached(q, layer, plan)
         return linear(out, w.o_proj)

@@ -1,11 +1,16 @@
-"""Builds and binds ``kernels/packed_linear.c`` (see its header for the maths).
+"""Builds and binds metrale's C kernels: ``kernels/packed_linear.c`` (linear
+layers over packed weights), ``kernels/attention.c`` (decode and verify
+attention over the KV cache) and ``kernels/layer_ops.c`` (the norms, rotary
+embedding, cache write and SwiGLU between them); see their headers for the
+maths.
 
 Contract: ``packed_kernel()`` returns the bound kernel, or ``None`` when it
 cannot be had here, with ``kernel_problem()`` saying why (no C compiler, a
 failed build). The shared library is compiled once per source, compiler
 flags and CPU, into ``$METRALE_HOME/kernels/``, written to a temporary name
 and renamed into place, so concurrent first runs never load half a file.
-``METRALE_NO_KERNEL=1`` disables it (the dense float32 path is then used).
+``METRALE_NO_KERNEL=1`` disables it (dense float32 weights and torch's
+attention are then used).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "kernels" / "packed_linear.c"
+KERNELS = Path(__file__).parent / "kernels"
+SOURCES = tuple(KERNELS / name for name in ("packed_linear.c", "attention.c", "layer_ops.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 FORMATS = {"q4_1": 0, "q8_0": 1, "bf16": 2}
 
@@ -47,6 +53,36 @@ class PackedKernel:
         self._decode = library.metrale_decode
         self._decode.argtypes = [_int, _int64, _pointer, _pointer, _int64, _pointer, _int]
         self._decode.restype = _int
+        self._attend = library.metrale_attend
+        self._attend.argtypes = [
+            _pointer, _int64, _pointer, _pointer, _int64, _int64, _int64, _int64, _int64,
+            _pointer, _int64, ctypes.c_float, _pointer, _int,
+        ]  # fmt: skip
+        self._attend.restype = _int
+        self._rms_norm = library.metrale_rms_norm
+        self._rms_norm.argtypes = [
+            _pointer, _int64, _int64, _pointer, ctypes.c_float, _pointer, _int,
+        ]  # fmt: skip
+        self._rope = library.metrale_rope
+        self._rope.argtypes = [
+            _pointer,
+            _int64,
+            _int64,
+            _int64,
+            _int64,
+            _pointer,
+            _pointer,
+            _pointer,
+        ]
+        self._kv_write = library.metrale_kv_write
+        self._kv_write.argtypes = [
+            _pointer, _pointer, _int64, _pointer, _pointer, _int64, _int64, _int64, _int64,
+            _pointer,
+        ]  # fmt: skip
+        self._silu_mul = library.metrale_silu_mul
+        self._silu_mul.argtypes = [_pointer, _int64, _int64, _pointer, _int]
+        for function in (self._rms_norm, self._rope, self._kv_write, self._silu_mul):
+            function.restype = None
 
     def linear(
         self, fmt: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, n: int
@@ -71,6 +107,89 @@ class PackedKernel:
             torch.get_num_threads(),
         )  # fmt: skip
         _check(code, fmt, k)
+        return out
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        segments: torch.Tensor,
+        window: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of ``q`` ``[rows, heads, head_dim]`` (rows may be strided)
+        over one layer's cache ``[slots, kv_heads, max_len, head_dim]`` for the
+        segments ``[num_segments, 4]`` = (slot, start, rows, first row), int64;
+        returns ``[rows, heads * head_dim]``. Float32 throughout."""
+        rows, heads, head_dim = q.shape
+        _, kv_heads, max_len, _ = keys.shape
+        assert q.dtype == keys.dtype == values.dtype == torch.float32, "float32 attention"
+        assert q.stride(2) == 1 and q.stride(1) == head_dim, "heads packed within a row"
+        assert keys.is_contiguous() and values.is_contiguous(), "whole cache tensors"
+        assert segments.dtype == torch.int64 and segments.is_contiguous(), "int64 segment table"
+        out = torch.empty(rows, heads * head_dim, dtype=torch.float32)
+        code = self._attend(
+            q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), heads, kv_heads,
+            max_len, head_dim, segments.shape[0], segments.data_ptr(), window, scale,
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if code == -1:
+            raise ValueError(f"{heads} query heads over {kv_heads} kv heads")
+        if code != 0:
+            raise MemoryError("the attention kernel could not allocate its score buffer")
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """transformers' RMSNorm of ``x`` ``[rows, n]`` (contiguous), scaled by ``weight``."""
+        rows, n = x.shape
+        assert x.is_contiguous() and weight.shape == (n,), "contiguous rows, one weight per column"
+        out = torch.empty_like(x)
+        self._rms_norm(
+            x.data_ptr(), rows, n, weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads()
+        )
+        return out
+
+    def rope_(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Rotates ``x`` ``[rows, heads, head_dim]`` (rows may be strided) in place
+        by the rows ``positions`` ``[rows]`` (int64) of the tables ``[max_len, head_dim]``."""
+        rows, heads, head_dim = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == head_dim, "heads packed within a row"
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == head_dim
+        assert positions.dtype == torch.int64 and positions.shape == (rows,)
+        self._rope(
+            x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+            positions.data_ptr(),
+        )  # fmt: skip
+
+    def kv_write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        segments: torch.Tensor,
+    ) -> None:
+        """Stores ``k``/``v`` ``[rows, kv_heads, head_dim]`` (rows strided alike) at
+        their segments' slots and positions of a layer's cache."""
+        _, kv_heads, head_dim = k.shape
+        assert k.stride() == v.stride() and k.stride(2) == 1 and k.stride(1) == head_dim
+        assert keys.is_contiguous() and values.is_contiguous() and keys.shape[1] == kv_heads
+        self._kv_write(
+            k.data_ptr(), v.data_ptr(), k.stride(0), keys.data_ptr(), values.data_ptr(), kv_heads,
+            keys.shape[2], head_dim, segments.shape[0], segments.data_ptr(),
+        )  # fmt: skip
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 * n]`` (gate first), contiguous."""
+        rows, width = gate_up.shape
+        assert gate_up.is_contiguous() and width % 2 == 0
+        out = torch.empty(rows, width // 2, dtype=torch.float32)
+        self._silu_mul(
+            gate_up.data_ptr(), rows, width // 2, out.data_ptr(), torch.get_num_threads()
+        )
         return out
 
 
@@ -107,16 +226,16 @@ def _build() -> Path:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     from metrale.engine.default_model import metrale_home  # it imports this module's users
 
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode() + _cpu_id()).hexdigest()
-    target = metrale_home() / "kernels" / f"packed_linear-{key[:16]}.so"
+    target = metrale_home() / "kernels" / f"metrale-kernels-{key[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         built = Path(work) / target.name
         result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(built)],
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)],
             capture_output=True,
             text=True,
             timeout=300,

@@ -359,6 +359,7 @@ def build(count: int, seed: int) -> list[dict[str, object]]:
     budgets = {"code": 128, "json": 160, "doc": 64, "prose": 96}
     records: list[dict[str, object]] = []
     seen: set[str] = set()
+    repeats = 0  # duplicates in a row: a generator that only repeats is dry
     kinds = ("code", "json", "doc", "prose")
     while len(records) < count:
         kind = kinds[len(records) % len(kinds)]
@@ -371,11 +372,18 @@ def build(count: int, seed: int) -> list[dict[str, object]]:
             text = json_prompt(rng)
         else:
             text = prose_prompt(rng)
+        if text is not None and text in seen:
+            repeats += 1
+            if repeats < 1000:
+                continue
+            text = None
         if text is None:  # a source ran dry: fill with the other kinds
+            if len(kinds) == 1:
+                raise SystemExit(f"only {len(records)} distinct prompts can be made")
             kinds = tuple(k for k in kinds if k != kind)
+            repeats = 0
             continue
-        if text in seen:
-            continue
+        repeats = 0
         seen.add(text)
         records.append(
             {
