@@ -51,6 +51,8 @@ def info(
     facts = loaded.info
     table = Table(show_header=False, box=None)
     mtp_text = f"{facts.mtp_layout} x {facts.mtp_count}" if facts.mtp_layout else "none"
+    if facts.mtp_draft_vocab is not None:
+        mtp_text += f" (drafts from {facts.mtp_draft_vocab:,} tokens)"
     rows = [
         ("model", facts.name),
         ("architecture", facts.architecture),

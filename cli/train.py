@@ -100,6 +100,14 @@ def train_mtp_command(
     max_steps: Annotated[
         int | None, typer.Option(min=1, help="Stop after this many steps (resumable).")
     ] = None,
+    draft_vocab: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Tokens the head drafts from, the most frequent in the data "
+            "(0: the whole vocabulary).",
+        ),
+    ] = 8192,
     max_len: Annotated[int, typer.Option(min=8, help="Longest sequence, in tokens.")] = 1280,
     gen_batch: Annotated[
         int, typer.Option(min=1, help="Prompts answered at once when generating.")
@@ -124,6 +132,7 @@ def train_mtp_command(
             prompt_weight=prompt_weight,
             feature_weight=feature_weight,
             max_steps=max_steps,
+            draft_vocab=draft_vocab,
         )
         runtime = RuntimeConfig(num_slots=gen_batch, max_len=max_len, dtype=dtype, mtp=False)
     except ValueError as exc:
@@ -151,9 +160,9 @@ def run_training(
 ) -> None:
     from metrale.engine.llama import LlamaModel
     from metrale.engine.loader import load_model
-    from metrale.engine.mtp_head import save_mtp_head
+    from metrale.engine.mtp_head import DRAFT_VOCAB, save_mtp_head
     from metrale.engine.train_data import load_sources
-    from metrale.engine.train_mtp import train_mtp
+    from metrale.engine.train_mtp import draft_vocabulary, train_mtp
 
     started = time.perf_counter()
     try:
@@ -215,6 +224,10 @@ def run_training(
         fields["heldout_acceptance_by_depth"] = [round(a, 4) for a in result.heldout_eval.accepted]
         fields["heldout_positions"] = result.heldout_eval.positions
     tensors = {k: v.to(torch.bfloat16) for k, v in result.tensors.items()}
+    if config.draft_vocab:
+        vocab_size = loaded.model.vocab_size
+        tensors[DRAFT_VOCAB] = draft_vocabulary(sequences, config.draft_vocab, vocab_size)
+        fields["draft_vocab"] = int(tensors[DRAFT_VOCAB].numel())
     weights, card = save_mtp_head(
         out, tensors, loaded.model.spec, base_model=loaded.name, fields=fields
     )

@@ -53,6 +53,7 @@ class ModelInfo:
     weights: str  # "dense", or "packed (q4_1, q8_0)"; with the reason when packing was off
     mtp_layout: str | None
     mtp_count: int
+    mtp_draft_vocab: int | None  # tokens a standalone head drafts from; None: all
     kv_bytes_per_token: int
     load_s: float
 
@@ -116,6 +117,14 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
         weights=weights,
         mtp_layout=found.layout if found else None,
         mtp_count=len(mtp),
+        mtp_draft_vocab=next(
+            (
+                int(m.draft_vocab.numel())
+                for m in mtp
+                if getattr(m, "draft_vocab", None) is not None
+            ),
+            None,
+        ),
         kv_bytes_per_token=model.kv_bytes_per_token + sum(m.kv_bytes_per_token for m in mtp),
         load_s=time.perf_counter() - started,
     )
@@ -203,7 +212,7 @@ def count_parameters(module: Any) -> int:
         if isinstance(value, PackedWeight):
             rows, cols = value.shape
             seen[id(value)] = rows * cols
-        elif isinstance(value, torch.Tensor):
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():  # not token ids
             seen[id(value)] = value.numel()
         elif isinstance(value, list | tuple):
             for item in value:

@@ -8,6 +8,12 @@ hidden state ``h_p`` and the id of token ``p+1`` and predicts token ``p+2``:
     y      = decoder_block(x)        # the main model's block type, own KV cache
     logits = lm_head(final_norm(y))  # embedding and LM head shared with the model
 
+A standalone head may name a draft vocabulary: its LM head then computes only
+those rows (a third of the default model's 49,152 costs a third of the time,
+and the LM head is most of a small head's forward) and every other token gets
+logit -inf, so it is never drafted and has probability 0 in sampled drafts.
+Verification is unchanged, so output stays exactly the model's.
+
 ``y`` (pre-norm) is returned as the module's hidden state, so feeding it back
 with the module's own draft gives a chain. The block writes its own slot KV
 cache at positions ``p``, so the cache must hold every accepted position.
@@ -46,7 +52,7 @@ from metrale.engine.llama import (
     rms_norm,
 )
 from metrale.engine.model import ForwardOutput, LogitRows, Segment
-from metrale.engine.packed import PackedSource
+from metrale.engine.packed import PackedSource, PackedWeight
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next", "head")
 _COUNT_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules")
@@ -98,6 +104,9 @@ class MtpWeights:
     hidden_first: bool  # MiMo concatenates [hidden, embedding]
     block: BlockWeights
     lm_head: Weight | None = None  # [vocab, hidden]
+    # Sorted token ids the head drafts from: its LM head computes only these
+    # rows (a standalone head's `draft_vocab`); None: the whole vocabulary.
+    draft_vocab: torch.Tensor | None = None
 
 
 class MtpLayer:
@@ -117,7 +126,13 @@ class MtpLayer:
             model.device,
         )
         self.stack = DecoderStack(spec, [weights.block], cache)
-        self.lm_head = weights.lm_head if weights.lm_head is not None else model.head.lm_head
+        lm_head = weights.lm_head if weights.lm_head is not None else model.head.lm_head
+        self.draft_vocab = weights.draft_vocab
+        if self.draft_vocab is not None:
+            index = self.draft_vocab.to(model.device)
+            rows = lm_head.rows(index) if isinstance(lm_head, PackedWeight) else lm_head[index]
+            lm_head, self.draft_vocab = rows, index
+        self.lm_head: Weight = lm_head
 
     @property
     def num_slots(self) -> int:
@@ -151,6 +166,9 @@ class MtpLayer:
         y = self.stack.run(linear(both, w.proj), plan, model.rope)  # [num_tokens, hidden]
         rows = y if logits == "all" else y.index_select(0, plan.last_rows)
         out = linear(rms_norm(rows, w.final_norm, eps), self.lm_head).float()
+        if self.draft_vocab is not None:  # tokens outside it are never drafted
+            full = out.new_full((out.shape[0], model.vocab_size), float("-inf"))
+            out = full.index_copy_(1, self.draft_vocab, out)
         return ForwardOutput(logits=out, hidden=y)
 
 

@@ -7,6 +7,7 @@ the base model's. Tensor names in the safetensors file:
 
     enorm.weight, hnorm.weight, eh_proj.weight, norm.weight,
     block.<the HF decoder-layer names: input_layernorm.weight, self_attn.q_proj.weight, ...>
+    draft_vocab (optional): [n] int64, sorted token ids the head drafts from
 
 The JSON card names the format and what the head fits:
 ``{"format": "metrale-mtp-head", "version": 1, "layout": "deepseek",
@@ -33,6 +34,7 @@ from metrale.engine.packed_kernel import PackedKernel
 
 HEAD_FORMAT = "metrale-mtp-head"
 HEAD_VERSION = 1
+DRAFT_VOCAB = "draft_vocab"
 
 
 def head_paths(path: Path) -> tuple[Path, Path]:
@@ -85,6 +87,12 @@ def save_mtp_head(
 ) -> tuple[Path, Path]:
     """Writes the pair for ``path`` (a stem or either file name); returns both paths."""
     expected = head_tensor_shapes(spec)
+    tensors = dict(tensors)
+    vocab = tensors.pop(DRAFT_VOCAB, None)
+    if vocab is not None:
+        _check_draft_vocab(vocab, spec.vocab_size)
+        tensors[DRAFT_VOCAB] = vocab
+        expected[DRAFT_VOCAB] = tuple(vocab.shape)
     if set(tensors) != set(expected):
         missing, extra = set(expected) - set(tensors), set(tensors) - set(expected)
         raise ValueError(
@@ -108,6 +116,13 @@ def save_mtp_head(
     }
     card_file.write_text(json.dumps(card, indent=2) + "\n")
     return weights_file, card_file
+
+
+def _check_draft_vocab(vocab: torch.Tensor, vocab_size: int) -> None:
+    if vocab.dtype != torch.int64 or vocab.dim() != 1 or vocab.numel() == 0:
+        raise ValueError(f"{DRAFT_VOCAB} must be a non-empty 1-D int64 tensor of token ids")
+    if not bool((vocab[1:] > vocab[:-1]).all()) or vocab[0] < 0 or vocab[-1] >= vocab_size:
+        raise ValueError(f"{DRAFT_VOCAB} must hold distinct ascending ids below {vocab_size}")
 
 
 def read_card(path: Path) -> dict[str, Any]:
@@ -149,5 +164,17 @@ def load_mtp_head(path: Path, model: LlamaModel, kernel: PackedKernel | None = N
         final_norm=get("norm.weight"),
         hidden_first=False,
         block=load_block(store, "block.", spec, model.dtype, model.device, packed=packed),
+        draft_vocab=_draft_vocab(store, weights_file, spec.vocab_size),
     )
     return MtpLayer(model, weights)
+
+
+def _draft_vocab(store: WeightStore, file: Path, vocab_size: int) -> torch.Tensor | None:
+    if DRAFT_VOCAB not in store:
+        return None
+    vocab = store.get(DRAFT_VOCAB)
+    try:
+        _check_draft_vocab(vocab, vocab_size)
+    except ValueError as exc:
+        raise CheckpointError(f"MTP head {file.name}: {exc}") from exc
+    return vocab

@@ -83,6 +83,15 @@ class PackedWeight:
             return F.linear(x, self.dense())
         return self.kernel.linear(self.fmt, x.contiguous(), self.data, self.scales, n)
 
+    def rows(self, index: torch.Tensor) -> PackedWeight:
+        """The weight's rows ``index`` (int64), in that order."""
+        return PackedWeight(
+            self.fmt,
+            self.data.index_select(0, index),
+            self.scales.index_select(0, index),
+            self.kernel,
+        )
+
     @staticmethod
     def stack(parts: list[PackedWeight]) -> PackedWeight:
         """Rows of several weights of one format and width, as one (q/k/v, gate/up)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,6 +62,7 @@ __all__ = [
     "TrainResult",
     "Trainer",
     "cache_sequences",
+    "draft_vocabulary",
     "evaluate",
     "train_mtp",
 ]
@@ -90,6 +92,9 @@ class TrainConfig:
     # what the head itself takes as input, which is what chaining feeds it.
     feature_weight: float = 0.0
     max_steps: int | None = None  # stop early (the schedule still spans every epoch)
+    # Tokens the saved head drafts from (its `draft_vocab`, see draft_vocabulary);
+    # 0: the whole vocabulary.
+    draft_vocab: int = 8192
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -108,6 +113,32 @@ class TrainConfig:
             raise ValueError("--feature-weight must be 0 (off) or more")
         if self.vocab not in ("seen", "full"):
             raise ValueError("--vocab must be 'seen' or 'full'")
+        if self.draft_vocab < 0:
+            raise ValueError("--draft-vocab must be 0 (the whole vocabulary) or more")
+
+
+def draft_vocabulary(
+    sequences: Sequence[TrainSequence], size: int, vocab_size: int
+) -> torch.Tensor:
+    """The ``size`` tokens a head trained on ``sequences`` should draft from,
+    as sorted ids: the most frequent in the answers first, then in the
+    prompts, then the lowest ids (BPE merges come roughly in frequency order).
+    A token the head never saw as a target is one it rarely predicts well, and
+    every row left out of its LM head is time saved on each draft."""
+    size = min(size, vocab_size)
+    answers: Counter[int] = Counter()
+    prompts: Counter[int] = Counter()
+    for seq in sequences:
+        answers.update(seq.token_ids[seq.loss_start :])
+        prompts.update(seq.token_ids[: seq.loss_start])
+    ranked = sorted(answers, key=lambda t: (-answers[t], t))
+    ranked += sorted(set(prompts) - set(answers), key=lambda t: (-prompts[t], t))
+    chosen = set(ranked[:size])
+    for token in range(vocab_size):
+        if len(chosen) >= size:
+            break
+        chosen.add(token)
+    return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -250,7 +281,7 @@ class Trainer:
 
     def restore(self, state: dict[str, object]) -> None:
         saved = dict(state["config"])  # type: ignore[call-overload]
-        ignore = ("eval_every", "checkpoint_every", "max_steps")
+        ignore = ("eval_every", "checkpoint_every", "max_steps", "draft_vocab")
         if {k: v for k, v in saved.items() if k not in ignore} != {
             k: v for k, v in asdict(self.config).items() if k not in ignore
         }:

@@ -108,6 +108,8 @@ class FakeMtp:
     model: FakeModel
     mode: MtpMode = "right"
     max_len: int = 128
+    # Tokens it may draft (a head's draft vocabulary); the rest get logit -inf.
+    draft_vocab: tuple[int, ...] | None = None
     forwards: list[tuple[list[Segment], torch.Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -142,6 +144,14 @@ class FakeMtp:
         return ForwardOutput(logits=out, hidden=torch.tensor(out_hidden))
 
     def _draft_logits(self, tokens: tuple[int, ...]) -> torch.Tensor:  # [vocab]
+        logits = self._unrestricted_logits(tokens)
+        if self.draft_vocab is None:
+            return logits
+        restricted = torch.full_like(logits, float("-inf"))
+        index = torch.tensor(self.draft_vocab)
+        return restricted.index_copy_(0, index, logits[index])
+
+    def _unrestricted_logits(self, tokens: tuple[int, ...]) -> torch.Tensor:  # [vocab]
         true = self.model.next_logits(tokens)
         right = self.mode == "right" or (
             self.mode == "mixed" and _context_seed(tokens[-self.model.context :], 99) % 3 != 0

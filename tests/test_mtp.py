@@ -212,6 +212,29 @@ def test_head_file_roundtrip_equals_deepseek_layout(tmp_path: Path) -> None:
     assert torch.allclose(a.logits, b.logits, atol=1e-6)
 
 
+def test_a_draft_vocabulary_limits_what_the_head_drafts(tmp_path: Path) -> None:
+    path = write_tiny_checkpoint(tmp_path / "ckpt", "llama", mtp_layout="deepseek")
+    model, _ = build(path)
+    tensors = random_weights(head_tensor_shapes(model.spec), seed=1, std=0.1)
+    save_mtp_head(tmp_path / "full", tensors, model.spec, base_model="tiny")
+    vocab = torch.arange(0, model.vocab_size, 3)
+    save_mtp_head(tmp_path / "some", {**tensors, "draft_vocab": vocab}, model.spec, base_model="t")
+    full, some = load_mtp_head(tmp_path / "full", model), load_mtp_head(tmp_path / "some", model)
+    ids = list(range(30, 42))
+    hidden = model.forward([Segment(0, 0, ids)]).hidden[:-1]
+    a = full.forward([Segment(0, 0, ids[1:])], hidden).logits
+    b = some.forward([Segment(1, 0, ids[1:])], hidden).logits
+    assert b.shape == a.shape
+    torch.testing.assert_close(b[:, vocab], a[:, vocab])
+    outside = torch.ones(model.vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    assert bool((b[:, outside] == float("-inf")).all())
+    with pytest.raises(ValueError, match="distinct ascending"):
+        save_mtp_head(
+            tmp_path / "bad", {**tensors, "draft_vocab": vocab.flip(0)}, model.spec, base_model="t"
+        )
+
+
 def test_head_for_another_model_is_refused(tmp_path: Path) -> None:
     other = read_checkpoint(write_tiny_checkpoint(tmp_path / "other", "llama", hidden_size=32))
     tensors = random_weights(head_tensor_shapes(other.spec), seed=0, std=0.1)

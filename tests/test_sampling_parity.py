@@ -60,7 +60,7 @@ def exact_distribution(params: SamplingParams = PARAMS) -> dict[tuple[int, ...],
 
 
 def sample(
-    speculate: bool, mtp_min_prob: float = 0.0
+    speculate: bool, mtp_min_prob: float = 0.0, draft_vocab: tuple[int, ...] | None = None
 ) -> tuple[Counter[tuple[int, ...]], EngineStats]:
     fake = model()
     config = EngineConfig(
@@ -71,7 +71,7 @@ def sample(
         if speculate
         else None,
     )
-    mtp = [FakeMtp(fake, "noisy")] if speculate else []
+    mtp = [FakeMtp(fake, "noisy", draft_vocab=draft_vocab)] if speculate else []
     engine = Engine(fake, None, config, mtp=mtp)
     params = [SamplingParams(**{**PARAMS.__dict__, "seed": seed}) for seed in range(TRIALS)]
     stream = (Request(str(i), PROMPT, p) for i, p in enumerate(params))
@@ -101,15 +101,19 @@ def critical_value(exact: dict[tuple[int, ...], float]) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("mtp_min_prob", [0.0, 0.6])
-def test_speculation_preserves_the_sampled_distribution(mtp_min_prob: float) -> None:
+@pytest.mark.parametrize(("mtp_min_prob", "draft_vocab"), [(0.0, None), (0.6, None), (0.0, (0, 2))])
+def test_speculation_preserves_the_sampled_distribution(
+    mtp_min_prob: float, draft_vocab: tuple[int, ...] | None
+) -> None:
     # At 0.6 the drafter holds back the chains whose distribution is flat
-    # (three tokens: a peak of 1/3 to 1), a choice made before any draw.
+    # (three tokens: a peak of 1/3 to 1), a choice made before any draw. With
+    # a draft vocabulary, token 1 is never drafted: the drafts' distribution
+    # is zero there, and the verify must still give it its full probability.
     exact = exact_distribution()
     assert abs(sum(exact.values()) - 1) < 1e-5
     bound = critical_value(exact)
     plain, _ = sample(speculate=False)
-    speculative, stats = sample(speculate=True, mtp_min_prob=mtp_min_prob)
+    speculative, stats = sample(speculate=True, mtp_min_prob=mtp_min_prob, draft_vocab=draft_vocab)
     assert sum(plain.values()) == sum(speculative.values()) == TRIALS
     assert chi_square(plain, exact) < bound
     assert chi_square(speculative, exact) < bound

@@ -28,6 +28,7 @@ from metrale.engine.train_mtp import (
     TrainConfig,
     Trainer,
     cache_sequences,
+    draft_vocabulary,
     evaluate,
     train_mtp,
 )
@@ -245,6 +246,17 @@ def test_the_shipped_head_loads_with_the_default_model_and_drafts() -> None:
     assert result.output_ids == expected.output_ids
 
 
+def test_the_draft_vocabulary_ranks_answers_then_prompts_then_low_ids() -> None:
+    sequences = [
+        TrainSequence((9, 8, 5, 5, 7), loss_start=2),  # prompt 9 8, answer 5 5 7
+        TrainSequence((8, 6, 7, 5), loss_start=2),  # prompt 8 6, answer 7 5
+    ]
+    assert draft_vocabulary(sequences, 2, 20).tolist() == [5, 7]  # answers, most frequent
+    assert draft_vocabulary(sequences, 3, 20).tolist() == [5, 7, 8]  # then the prompts
+    assert draft_vocabulary(sequences, 7, 20).tolist() == [0, 1, 5, 6, 7, 8, 9]  # then low ids
+    assert draft_vocabulary(sequences, 50, 20).tolist() == list(range(20))
+
+
 def test_the_command_writes_a_head_and_card_that_load(tiny: LoadedModel, tmp_path: Path) -> None:
     import json
 
@@ -259,12 +271,15 @@ def test_the_command_writes_a_head_and_card_that_load(tiny: LoadedModel, tmp_pat
     out = tmp_path / "heads" / "tiny"
     args = ["train-mtp", "--model", str(model_dir), "--data", str(text), "--out", str(out)]
     args += ["--epochs", "2", "--batch-tokens", "64", "--heldout", "0.3", "--max-len", "64"]
+    args += ["--draft-vocab", "40"]
     result = CliRunner().invoke(app, args, env={"COLUMNS": "120"})
     assert result.exit_code == 0, result.output
     card = json.loads(out.with_suffix(".json").read_text())
     fields = card["fields"]
     assert fields["data"] == ["notes.txt"] and fields["steps"] > 0
     assert len(fields["heldout_acceptance_by_depth"]) == 3
-    assert load_mtp_head(out, model_of(tiny)) is not None
+    assert fields["draft_vocab"] == 40
+    head = load_mtp_head(out, model_of(tiny))
+    assert head.draft_vocab is not None and head.draft_vocab.numel() == 40
     missing = CliRunner().invoke(app, [*args[:4], "--data", "nope.txt", "--out", str(out)])
     assert missing.exit_code == 2
