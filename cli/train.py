@@ -224,10 +224,10 @@ def run_training(
         fields["heldout_acceptance_by_depth"] = [round(a, 4) for a in result.heldout_eval.accepted]
         fields["heldout_positions"] = result.heldout_eval.positions
     tensors = {k: v.to(torch.bfloat16) for k, v in result.tensors.items()}
-    if config.draft_vocab:
-        vocab_size = loaded.model.vocab_size
+    vocab_size = loaded.model.spec.vocab_size
+    if 0 < config.draft_vocab < vocab_size:  # else the head drafts from every token
         tensors[DRAFT_VOCAB] = draft_vocabulary(sequences, config.draft_vocab, vocab_size)
-        fields["draft_vocab"] = int(tensors[DRAFT_VOCAB].numel())
+        fields["draft_vocab"] = config.draft_vocab
     weights, card = save_mtp_head(
         out, tensors, loaded.model.spec, base_model=loaded.name, fields=fields
     )

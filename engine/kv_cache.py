@@ -77,14 +77,20 @@ def plan_rows(
     device: torch.device,
     sliding_window: int | None = None,
 ) -> RowPlan:
-    """Builds the plan; asserts the Segment contract (one segment per slot, in bounds)."""
-    assert segments, "a forward takes at least one segment"
+    """Builds the plan; raises ``ValueError`` unless the Segment contract holds
+    (one non-empty segment per slot, within ``num_slots`` and ``max_len``)."""
+    if not segments:
+        raise ValueError("a forward takes at least one segment")
     lens = [len(s.token_ids) for s in segments]
     slots = [s.slot for s in segments]
-    assert len(set(slots)) == len(slots), "a slot appears at most once per forward"
+    if len(set(slots)) != len(slots):
+        raise ValueError("a slot appears at most once per forward")
+    # Raised, not asserted: the C kernels index the cache by these numbers.
     for seg, n in zip(segments, lens, strict=True):
-        assert seg.slot < num_slots, f"slot {seg.slot} out of range (num_slots={num_slots})"
-        assert seg.start + n <= max_len, f"segment ends at {seg.start + n} > max_len {max_len}"
+        if not 0 <= seg.slot < num_slots:
+            raise ValueError(f"slot {seg.slot} out of range (num_slots={num_slots})")
+        if seg.start < 0 or n < 1 or seg.start + n > max_len:
+            raise ValueError(f"segment [{seg.start}, {seg.start + n}) beyond max_len {max_len}")
     num_segments = len(segments)
     max_rows = max(lens)
     ctx_len = max(s.start + n for s, n in zip(segments, lens, strict=True))

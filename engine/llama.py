@@ -9,10 +9,13 @@ at the same dtype.
 
 All rows of a forward run as one packed batch: one matmul per projection for
 every token of every segment, one attention call for all segments, KV written
-by one index op per layer. On the CPU in float32, steps of up to
-``KERNEL_ATTENTION_ROWS`` rows per segment attend in metrale's C kernel
-(``kernels/attention.c``: each segment reads only its own cache length);
-others, and prefill, use torch's attention on segments padded to the longest. q/k/v and gate/up weights
+by one index op per layer. On the CPU in float32, forwards whose segments
+all have at most ``KERNEL_ATTENTION_ROWS`` rows (decode and verify steps,
+short prefill chunks) attend in metrale's C kernel (``kernels/attention.c``:
+each segment reads only its own cache length, whatever its neighbours);
+other forwards, and a lone prefill from position 0, use torch's attention on
+segments padded to the longest. The norms, rotary embedding, cache write and
+SwiGLU then run in ``kernels/layer_ops.c`` too. q/k/v and gate/up weights
 are fused at load time so a decode step costs few, large ops. Everything runs
 under ``torch.inference_mode``, so the returned logits and hidden states are
 inference tensors: read them freely, but clone before modifying them in place
@@ -213,7 +216,7 @@ class DecoderStack:
             k = rms_norm(k.view(num_tokens, kv_heads, -1), w.k_norm, spec.rms_norm_eps)
             q, k = self._rotate(q, plan, rope, cos_sin), self._rotate(k, plan, rope, cos_sin)
             v = v.view(num_tokens, kv_heads, spec.head_dim)
-        if self.kernel is not None and k.stride() == v.stride():
+        if self.kernel is not None:
             assert plan.segment_table is not None, "plan_rows builds the table"
             keys, values = self.cache.keys[layer], self.cache.values[layer]
             self.kernel.kv_write(k, v, keys, values, plan.segment_table)

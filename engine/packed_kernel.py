@@ -42,7 +42,9 @@ def _scales_ptr(scales: torch.Tensor) -> int:
 
 
 class PackedKernel:
-    """The two entry points of the shared library, typed."""
+    """The entry points of the shared library, typed. Each wrapper checks
+    shapes, dtypes and strides and raises ``ValueError``: the C code trusts
+    what it is given."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._linear = library.metrale_packed_linear
@@ -76,8 +78,8 @@ class PackedKernel:
         ]
         self._kv_write = library.metrale_kv_write
         self._kv_write.argtypes = [
-            _pointer, _pointer, _int64, _pointer, _pointer, _int64, _int64, _int64, _int64,
-            _pointer,
+            _pointer, _int64, _pointer, _int64, _pointer, _pointer, _int64, _int64, _int64,
+            _int64, _pointer,
         ]  # fmt: skip
         self._silu_mul = library.metrale_silu_mul
         self._silu_mul.argtypes = [_pointer, _int64, _int64, _pointer, _int]
@@ -120,14 +122,16 @@ class PackedKernel:
     ) -> torch.Tensor:
         """Attention of ``q`` ``[rows, heads, head_dim]`` (rows may be strided)
         over one layer's cache ``[slots, kv_heads, max_len, head_dim]`` for the
-        segments ``[num_segments, 4]`` = (slot, start, rows, first row), int64;
-        returns ``[rows, heads * head_dim]``. Float32 throughout."""
+        segments ``[num_segments, 4]`` = (slot, start, rows, first row), int64:
+        a ``RowPlan``'s ``segment_table``, whose bounds ``plan_rows`` checked
+        against this cache. Returns ``[rows, heads * head_dim]``. Float32 CPU
+        tensors throughout."""
         rows, heads, head_dim = q.shape
         _, kv_heads, max_len, _ = keys.shape
-        assert q.dtype == keys.dtype == values.dtype == torch.float32, "float32 attention"
-        assert q.stride(2) == 1 and q.stride(1) == head_dim, "heads packed within a row"
-        assert keys.is_contiguous() and values.is_contiguous(), "whole cache tensors"
-        assert segments.dtype == torch.int64 and segments.is_contiguous(), "int64 segment table"
+        _float32_cpu(q, keys, values)
+        _heads_packed(q)
+        _whole_cache(keys, values, kv_heads, head_dim)
+        _segment_table(segments)
         out = torch.empty(rows, heads * head_dim, dtype=torch.float32)
         code = self._attend(
             q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), heads, kv_heads,
@@ -143,7 +147,8 @@ class PackedKernel:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """transformers' RMSNorm of ``x`` ``[rows, n]`` (contiguous), scaled by ``weight``."""
         rows, n = x.shape
-        assert x.is_contiguous() and weight.shape == (n,), "contiguous rows, one weight per column"
+        _float32_cpu(x, weight)
+        _require(x.is_contiguous() and weight.shape == (n,), "contiguous rows, a weight per column")
         out = torch.empty_like(x)
         self._rms_norm(
             x.data_ptr(), rows, n, weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads()
@@ -154,11 +159,22 @@ class PackedKernel:
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
     ) -> None:
         """Rotates ``x`` ``[rows, heads, head_dim]`` (rows may be strided) in place
-        by the rows ``positions`` ``[rows]`` (int64) of the tables ``[max_len, head_dim]``."""
+        by the rows ``positions`` ``[rows]`` (int64) of the tables ``[max_len,
+        head_dim]``: a ``RowPlan``'s positions, which ``plan_rows`` checked
+        against ``max_len``."""
         rows, heads, head_dim = x.shape
-        assert x.stride(2) == 1 and x.stride(1) == head_dim, "heads packed within a row"
-        assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == head_dim
-        assert positions.dtype == torch.int64 and positions.shape == (rows,)
+        _float32_cpu(x, cos, sin)
+        _heads_packed(x)
+        _require(
+            cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape
+            and cos.shape[1] == head_dim,
+            "contiguous cos/sin tables of one row per position",
+        )  # fmt: skip
+        _require(
+            positions.dtype == torch.int64 and positions.shape == (rows,)
+            and positions.device.type == "cpu" and positions.is_contiguous(),
+            "one int64 CPU position per row",
+        )  # fmt: skip
         self._rope(
             x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(), sin.data_ptr(),
             positions.data_ptr(),
@@ -172,25 +188,67 @@ class PackedKernel:
         values: torch.Tensor,
         segments: torch.Tensor,
     ) -> None:
-        """Stores ``k``/``v`` ``[rows, kv_heads, head_dim]`` (rows strided alike) at
-        their segments' slots and positions of a layer's cache."""
+        """Stores ``k``/``v`` ``[rows, kv_heads, head_dim]`` (rows may be strided)
+        at their segments' slots and positions of a layer's cache; ``segments``
+        as for ``attend``."""
         _, kv_heads, head_dim = k.shape
-        assert k.stride() == v.stride() and k.stride(2) == 1 and k.stride(1) == head_dim
-        assert keys.is_contiguous() and values.is_contiguous() and keys.shape[1] == kv_heads
+        _float32_cpu(k, v, keys, values)
+        _require(k.shape == v.shape, "keys and values of the same shape")
+        _heads_packed(k)
+        _heads_packed(v)
+        _whole_cache(keys, values, kv_heads, head_dim)
+        _segment_table(segments)
         self._kv_write(
-            k.data_ptr(), v.data_ptr(), k.stride(0), keys.data_ptr(), values.data_ptr(), kv_heads,
-            keys.shape[2], head_dim, segments.shape[0], segments.data_ptr(),
+            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), keys.data_ptr(),
+            values.data_ptr(), kv_heads, keys.shape[2], head_dim, segments.shape[0],
+            segments.data_ptr(),
         )  # fmt: skip
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 * n]`` (gate first), contiguous."""
         rows, width = gate_up.shape
-        assert gate_up.is_contiguous() and width % 2 == 0
+        _float32_cpu(gate_up)
+        _require(gate_up.is_contiguous() and width % 2 == 0, "contiguous rows of gate then up")
         out = torch.empty(rows, width // 2, dtype=torch.float32)
         self._silu_mul(
             gate_up.data_ptr(), rows, width // 2, out.data_ptr(), torch.get_num_threads()
         )
         return out
+
+
+def _require(condition: bool, what: str) -> None:
+    """The C side checks nothing: a wrong shape or dtype must stop here."""
+    if not condition:
+        raise ValueError(f"metrale kernel: expected {what}")
+
+
+def _float32_cpu(*tensors: torch.Tensor) -> None:
+    _require(
+        all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors),
+        "float32 CPU tensors",
+    )
+
+
+def _heads_packed(x: torch.Tensor) -> None:
+    _require(
+        x.stride(2) == 1 and x.stride(1) == x.shape[2], "[rows, heads, head_dim], heads packed"
+    )
+
+
+def _whole_cache(keys: torch.Tensor, values: torch.Tensor, kv_heads: int, head_dim: int) -> None:
+    _require(
+        keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape
+        and keys.shape[1] == kv_heads and keys.shape[3] == head_dim,
+        f"whole cache tensors [slots, {kv_heads}, max_len, {head_dim}]",
+    )  # fmt: skip
+
+
+def _segment_table(segments: torch.Tensor) -> None:
+    _require(
+        segments.dtype == torch.int64 and segments.is_contiguous() and segments.dim() == 2
+        and segments.shape[1] == 4 and segments.device.type == "cpu",
+        "an int64 CPU segment table [segments, 4]",
+    )  # fmt: skip
 
 
 def _check(code: int, fmt: str, k: int) -> None:

@@ -124,7 +124,9 @@ def draft_vocabulary(
     as sorted ids: the most frequent in the answers first, then in the
     prompts, then the lowest ids (BPE merges come roughly in frequency order).
     A token the head never saw as a target is one it rarely predicts well, and
-    every row left out of its LM head is time saved on each draft."""
+    every row left out of its LM head is time saved on each draft. Counted
+    over every sequence given: train-mtp passes the held-out ones too (its
+    held-out figures use the whole vocabulary, so they do not see this)."""
     size = min(size, vocab_size)
     answers: Counter[int] = Counter()
     prompts: Counter[int] = Counter()

@@ -91,5 +91,5 @@ def test_bytes_per_token_counts_keys_and_values_of_every_layer() -> None:
 def test_plan_refuses_segments_that_break_the_contract(
     segments: list[Segment], message: str
 ) -> None:
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises(ValueError, match=message):
         plan_rows(segments, num_slots=4, max_len=8, device=CPU)

@@ -39,9 +39,9 @@ def kernel() -> PackedKernel:
     return found
 
 
-def cache(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cache(seed: int, head_dim: int = HEAD_DIM) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    shape = (SLOTS, KV_HEADS, MAX_LEN, HEAD_DIM)
+    shape = (SLOTS, KV_HEADS, MAX_LEN, head_dim)
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
@@ -53,7 +53,8 @@ def reference(
     window: int | None,
 ) -> torch.Tensor:
     """Row by row in float64: softmax over the positions the row may read."""
-    out = torch.empty(q.shape[0], HEADS * HEAD_DIM, dtype=torch.float64)
+    head_dim = q.shape[-1]
+    out = torch.empty(q.shape[0], HEADS * head_dim, dtype=torch.float64)
     group, row = HEADS // KV_HEADS, 0
     for seg in segments:
         for r in range(len(seg.token_ids)):
@@ -62,27 +63,31 @@ def reference(
             for h in range(HEADS):
                 k = keys[seg.slot, h // group, lo : pos + 1].double()
                 v = values[seg.slot, h // group, lo : pos + 1].double()
-                weights = torch.softmax(k @ q[row, h].double() * HEAD_DIM**-0.5, dim=0)
-                out[row, h * HEAD_DIM : (h + 1) * HEAD_DIM] = weights @ v
+                weights = torch.softmax(k @ q[row, h].double() * head_dim**-0.5, dim=0)
+                out[row, h * head_dim : (h + 1) * head_dim] = weights @ v
             row += 1
     return out
 
 
 def attend(kernel: PackedKernel, q: torch.Tensor, plan: RowPlan, seed: int = 0) -> torch.Tensor:
-    keys, values = cache(seed)
+    head_dim = q.shape[-1]
+    keys, values = cache(seed, head_dim)
     assert plan.segment_table is not None
     window = plan.sliding_window or 0
-    return kernel.attend(q, keys, values, plan.segment_table, window, HEAD_DIM**-0.5)
+    return kernel.attend(q, keys, values, plan.segment_table, window, head_dim**-0.5)
 
 
 @pytest.mark.parametrize("window", [None, 7])
-def test_each_row_attends_over_its_own_positions(kernel: PackedKernel, window: int | None) -> None:
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 12])  # 12: not whole 8-wide vectors
+def test_each_row_attends_over_its_own_positions(
+    kernel: PackedKernel, window: int | None, head_dim: int
+) -> None:
     plan = plan_rows(SEGMENTS, SLOTS, MAX_LEN, torch.device("cpu"), window)
     # q as the model hands it over: a strided view of the fused q/k rows.
-    fused = torch.randn(plan.num_tokens, HEADS + KV_HEADS, HEAD_DIM)
+    fused = torch.randn(plan.num_tokens, HEADS + KV_HEADS, head_dim)
     q = fused[:, :HEADS]
     out = attend(kernel, q, plan)
-    keys, values = cache(0)
+    keys, values = cache(0, head_dim)
     expected = reference(q, keys, values, SEGMENTS, window)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -97,6 +102,21 @@ def test_a_segment_result_does_not_depend_on_its_batch(kernel: PackedKernel) -> 
         alone = attend(kernel, q[row : row + n], plan_rows([seg], SLOTS, MAX_LEN, q.device))
         assert torch.equal(alone, together[row : row + n]), f"segment at slot {seg.slot}"
         row += n
+
+
+def test_what_the_c_side_would_misread_is_refused(kernel: PackedKernel) -> None:
+    plan = plan_rows(SEGMENTS, SLOTS, MAX_LEN, torch.device("cpu"))
+    keys, values = cache(0)
+    assert plan.segment_table is not None
+    q = torch.randn(plan.num_tokens, HEADS, HEAD_DIM)
+    with pytest.raises(ValueError, match="float32 CPU"):
+        kernel.attend(q.double(), keys, values, plan.segment_table, 0, 1.0)
+    with pytest.raises(ValueError, match="segment table"):
+        kernel.attend(q, keys, values, plan.segment_table.int(), 0, 1.0)
+    with pytest.raises(ValueError, match="heads packed"):
+        kernel.attend(q.transpose(1, 2), keys, values, plan.segment_table, 0, 1.0)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        kernel.silu_mul(torch.randn(6, 4).t())
 
 
 def test_heads_that_do_not_share_kv_heads_evenly_are_refused(kernel: PackedKernel) -> None:
@@ -129,8 +149,9 @@ def test_rope_rotates_bit_for_bit_as_torch(kernel: PackedKernel) -> None:
 
 def test_kv_write_stores_what_the_cache_write_stores(kernel: PackedKernel) -> None:
     plan = plan_rows(SEGMENTS, SLOTS, MAX_LEN, torch.device("cpu"))
-    qkv = torch.randn(plan.num_tokens, 3 * KV_HEADS, HEAD_DIM)  # k and v strided alike
-    k, v = qkv[:, :KV_HEADS], qkv[:, 2 * KV_HEADS :]
+    qkv = torch.randn(plan.num_tokens, 3 * KV_HEADS, HEAD_DIM)
+    k = torch.randn(plan.num_tokens, KV_HEADS, HEAD_DIM)  # contiguous, as after a q/k norm
+    v = qkv[:, 2 * KV_HEADS :]  # a strided view of the fused rows
     by_torch, by_kernel = (
         SlotKVCache(1, SLOTS, KV_HEADS, MAX_LEN, HEAD_DIM, torch.float32, torch.device("cpu"))
         for _ in range(2)
@@ -172,6 +193,27 @@ def decode(
     requests = (Request(str(i), p, params) for i, p in enumerate(prompts))
     results = sorted(engine.generate(requests), key=lambda r: int(r.request_id))
     return [r.output_ids for r in results], engine.stats().copy_accepted
+
+
+def test_a_forward_gives_the_logits_of_torch_layers(tiny: Path) -> None:
+    loaded = load_model(tiny, RuntimeConfig(num_slots=4, max_len=128, mtp=False))
+    model = loaded.model
+    stack = model.stack  # type: ignore[attr-defined]
+    kernel = stack.kernel
+    ids = torch.randint(3, 200, (3, 40), generator=torch.Generator().manual_seed(0)).tolist()
+    prefill = [Segment(s, 0, ids[s][:30]) for s in range(3)]
+    steps = [
+        Segment(0, 30, ids[0][30:31]),
+        Segment(2, 30, ids[2][30:35]),
+        Segment(1, 30, ids[1][30:40]),
+    ]
+    outputs = []
+    for use in (kernel, None):
+        stack.kernel = use
+        model.forward(prefill)
+        outputs.append(model.forward(steps))
+    torch.testing.assert_close(outputs[0].logits, outputs[1].logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs[0].hidden, outputs[1].hidden, rtol=1e-5, atol=1e-5)
 
 
 def test_a_model_decodes_the_same_tokens_as_with_torch_layers(tiny: Path) -> None:

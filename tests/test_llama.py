@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from metrale.engine.checkpoint import CheckpointError, read_checkpoint
-from metrale.engine.llama import LlamaModel
+from metrale.engine.llama import KERNEL_ATTENTION_ROWS, LlamaModel
 from metrale.engine.model import Segment
 from tests.checkpoints import load_reference_model, write_tiny_checkpoint
 
@@ -98,6 +98,26 @@ def test_ragged_multi_slot_rows_equal_transformers(checkpoint: Path) -> None:
         assert (logits - expected[seq, start:end]).abs().max().item() <= TOL
 
 
+def test_decode_and_verify_rows_in_the_kernels_equal_transformers(checkpoint: Path) -> None:
+    """Every segment within KERNEL_ATTENTION_ROWS: the C attention and layer ops
+    run (CPU float32), for every family and rope scaling in CASES."""
+    ids = random_ids(3, 60)
+    expected = reference_logits(checkpoint, ids)
+    model = build(checkpoint)
+    assert model.stack.kernel is not None
+    model.forward([Segment(2, 0, ids[0, :40].tolist()), Segment(0, 0, ids[1, :25].tolist())])
+    model.forward([Segment(3, 0, ids[2, :10].tolist())])
+    rows = [
+        (3, 10, 2, 10 + KERNEL_ATTENTION_ROWS),  # a chunk of the most rows the kernel takes
+        (2, 40, 0, 44),  # a verify row of 4
+        (0, 25, 1, 26),  # one decode token
+    ]
+    out = model.forward([Segment(s, a, ids[q, a:e].tolist()) for s, a, q, e in rows])
+    got = out.logits.split([e - a for _, a, _, e in rows])
+    for (_, start, seq, end), logits in zip(rows, got, strict=True):
+        assert (logits - expected[seq, start:end]).abs().max().item() <= TOL
+
+
 def test_ragged_batch_equals_each_sequence_alone(tmp_path: Path) -> None:
     path = write_tiny_checkpoint(tmp_path, "qwen2")
     ids = random_ids(3, 30, seed=7)
@@ -172,5 +192,5 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> No
 
 def test_segment_beyond_max_len_is_refused(tmp_path: Path) -> None:
     model = build(write_tiny_checkpoint(tmp_path, "llama"), max_len=16)
-    with pytest.raises(AssertionError, match="max_len"):
+    with pytest.raises(ValueError, match="max_len"):
         model.forward([Segment(0, 10, list(range(7)))])

@@ -97,6 +97,13 @@ def test_stacking_keeps_every_row(kernel: PackedKernel) -> None:
         PackedWeight.stack([a, c])
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_selected_rows_decode_to_those_rows(kernel: PackedKernel, fmt: str) -> None:
+    weight, dense = packed(kernel, random_weight(20, 64, seed=5), fmt)
+    index = torch.tensor([0, 7, 8, 19])
+    assert torch.equal(weight.rows(index).dense(), dense[index])
+
+
 def test_a_width_that_is_not_whole_blocks_is_refused(kernel: PackedKernel) -> None:
     weight = PackedWeight("q8_0", torch.zeros(2, 40, dtype=torch.uint8), torch.ones(2, 1), kernel)
     with pytest.raises(ValueError, match="multiple of 32"):

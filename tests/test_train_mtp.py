@@ -228,6 +228,7 @@ def test_the_shipped_head_loads_with_the_default_model_and_drafts() -> None:
         pytest.fail("the shipped head engine/heads/smollm2-135m-instruct.safetensors is missing")
     loaded = load_model(None, RuntimeConfig(num_slots=1, max_len=128))
     assert loaded.info.mtp_layout == "head" and len(loaded.mtp) == 1
+    assert loaded.info.mtp_draft_vocab == 8192  # the LM head rows it drafts from
     prompt = loaded.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write one sentence about the sea."}],
         add_generation_prompt=True,

@@ -18,8 +18,9 @@
  * query heads and rows that share them.
  *
  * Batch invariance: a query's result depends only on its own segment, and
- * every sum runs in a fixed order, so a sequence's logits do not change
- * with the sequences batched beside it.
+ * every sum runs in a fixed order, so a sequence's attention does not change
+ * with the sequences batched beside it (as long as the forward comes here:
+ * llama.py sends forwards whose segments are all short).
  */
 #include <math.h>
 #include <stdint.h>
@@ -111,16 +112,16 @@ int metrale_attend(
                     const int64_t p = start + r;
                     const int64_t lo = window > 0 && p - window + 1 > first ? p - window + 1 : first;
                     for (int64_t g = 0; g < G; g++) {
-                        float *sc = scores + (r * G + g) * span - first;
+                        float *sc = scores + (r * G + g) * span; /* sc[j - first]: position j */
                         float top = -INFINITY, total = 0.0f;
-                        for (int64_t j = lo; j <= p; j++) top = sc[j] > top ? sc[j] : top;
+                        for (int64_t j = lo; j <= p; j++) top = sc[j - first] > top ? sc[j - first] : top;
                         for (int64_t j = lo; j <= p; j++) {
-                            sc[j] = expf(sc[j] - top);
-                            total += sc[j];
+                            sc[j - first] = expf(sc[j - first] - top);
+                            total += sc[j - first];
                         }
                         float *o = out + (row0 + r) * heads * D + (kvh * G + g) * D;
                         for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-                        for (int64_t j = lo; j <= p; j++) axpy(sc[j], V + j * D, o, D);
+                        for (int64_t j = lo; j <= p; j++) axpy(sc[j - first], V + j * D, o, D);
                         const float inv = 1.0f / total;
                         for (int64_t d = 0; d < D; d++) o[d] *= inv;
                     }

@@ -69,18 +69,19 @@ void metrale_rope(float *x, int64_t stride, int64_t rows, int64_t heads, int64_t
 }
 
 /* Copies each packed row's keys and values (kv_heads heads of D values at
- * k + row * stride and v + row * stride) to its slot and position in one
+ * k + row * k_stride and v + row * v_stride) to its slot and position in one
  * layer's cache [slots, kv_heads, max_len, D]; seg as in attention.c:
  * [segments][4] = (slot, start, rows, first row). */
-void metrale_kv_write(const float *k, const float *v, int64_t stride, float *keys, float *values, int64_t kv_heads,
-                      int64_t max_len, int64_t D, int64_t segments, const int64_t *seg) {
+void metrale_kv_write(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *keys,
+                      float *values, int64_t kv_heads, int64_t max_len, int64_t D, int64_t segments,
+                      const int64_t *seg) {
     for (int64_t s = 0; s < segments; s++) {
         const int64_t slot = seg[4 * s], start = seg[4 * s + 1], rows = seg[4 * s + 2], row0 = seg[4 * s + 3];
         for (int64_t h = 0; h < kv_heads; h++) {
             const int64_t base = ((slot * kv_heads + h) * max_len + start) * D;
             for (int64_t r = 0; r < rows; r++) {
-                memcpy(keys + base + r * D, k + (row0 + r) * stride + h * D, sizeof(float) * D);
-                memcpy(values + base + r * D, v + (row0 + r) * stride + h * D, sizeof(float) * D);
+                memcpy(keys + base + r * D, k + (row0 + r) * k_stride + h * D, sizeof(float) * D);
+                memcpy(values + base + r * D, v + (row0 + r) * v_stride + h * D, sizeof(float) * D);
             }
         }
     }
