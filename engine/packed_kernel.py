@@ -67,15 +67,8 @@ class PackedKernel:
         ]  # fmt: skip
         self._rope = library.metrale_rope
         self._rope.argtypes = [
-            _pointer,
-            _int64,
-            _int64,
-            _int64,
-            _int64,
-            _pointer,
-            _pointer,
-            _pointer,
-        ]
+            _pointer, _int64, _int64, _int64, _int64, _pointer, _pointer, _pointer,
+        ]  # fmt: skip
         self._kv_write = library.metrale_kv_write
         self._kv_write.argtypes = [
             _pointer, _int64, _pointer, _int64, _pointer, _pointer, _int64, _int64, _int64,
