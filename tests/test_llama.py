@@ -79,16 +79,18 @@ def test_prefill_logits_equal_transformers(checkpoint: Path) -> None:
     assert (out.logits - expected).abs().max().item() <= TOL
 
 
-def test_ragged_multi_slot_rows_equal_transformers(checkpoint: Path) -> None:
-    """Prefill three sequences in different slots, then one forward of a verify
-    row, a decode token and a prefill chunk, each at its own position."""
+def ragged_rows_match_transformers(checkpoint: Path, chunk_end: int) -> LlamaModel:
+    """Prefill three sequences in different slots, then one forward of a
+    prefill chunk of sequence 2 from position 10 to ``chunk_end``, a verify row
+    of 4 and a decode token, each at its own position, checked against
+    transformers. Returns the model."""
     ids = random_ids(3, 60)
     expected = reference_logits(checkpoint, ids)
     model = build(checkpoint)
     model.forward([Segment(2, 0, ids[0, :40].tolist()), Segment(0, 0, ids[1, :25].tolist())])
     model.forward([Segment(3, 0, ids[2, :10].tolist())])
     rows = [
-        (3, 10, 2, 60),  # slot, start, sequence, end: a 50-token chunk
+        (3, 10, 2, chunk_end),  # slot, start, sequence, end: a prefill chunk
         (2, 40, 0, 44),  # a verify row of 4
         (0, 25, 1, 26),  # one decode token
     ]
@@ -96,26 +98,19 @@ def test_ragged_multi_slot_rows_equal_transformers(checkpoint: Path) -> None:
     got = out.logits.split([e - a for _, a, _, e in rows])
     for (_, start, seq, end), logits in zip(rows, got, strict=True):
         assert (logits - expected[seq, start:end]).abs().max().item() <= TOL
+    return model
+
+
+def test_ragged_multi_slot_rows_equal_transformers(checkpoint: Path) -> None:
+    # A 50-token chunk: longer than the C kernel takes, so torch attends.
+    ragged_rows_match_transformers(checkpoint, 60)
 
 
 def test_decode_and_verify_rows_in_the_kernels_equal_transformers(checkpoint: Path) -> None:
     """Every segment within KERNEL_ATTENTION_ROWS: the C attention and layer ops
     run (CPU float32), for every family and rope scaling in CASES."""
-    ids = random_ids(3, 60)
-    expected = reference_logits(checkpoint, ids)
-    model = build(checkpoint)
+    model = ragged_rows_match_transformers(checkpoint, 10 + KERNEL_ATTENTION_ROWS)
     assert model.stack.kernel is not None
-    model.forward([Segment(2, 0, ids[0, :40].tolist()), Segment(0, 0, ids[1, :25].tolist())])
-    model.forward([Segment(3, 0, ids[2, :10].tolist())])
-    rows = [
-        (3, 10, 2, 10 + KERNEL_ATTENTION_ROWS),  # a chunk of the most rows the kernel takes
-        (2, 40, 0, 44),  # a verify row of 4
-        (0, 25, 1, 26),  # one decode token
-    ]
-    out = model.forward([Segment(s, a, ids[q, a:e].tolist()) for s, a, q, e in rows])
-    got = out.logits.split([e - a for _, a, _, e in rows])
-    for (_, start, seq, end), logits in zip(rows, got, strict=True):
-        assert (logits - expected[seq, start:end]).abs().max().item() <= TOL
 
 
 def test_ragged_batch_equals_each_sequence_alone(tmp_path: Path) -> None:
