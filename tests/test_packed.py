@@ -16,7 +16,7 @@ from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.default_model import _packed_blocks
 from metrale.engine.loader import load_model
-from metrale.engine.packed import KERNEL_ROWS, PACKED_FILE, PackedStore, PackedWeight, save_packed
+from metrale.engine.packed import PACKED_FILE, PackedStore, PackedWeight, save_packed
 from metrale.engine.packed_kernel import PackedKernel, packed_kernel
 from metrale.engine.scheduler import Engine
 from metrale.lookup import PromptLookupConfig
@@ -35,7 +35,7 @@ def kernel() -> PackedKernel:
 
 def packed(kernel: PackedKernel, w: torch.Tensor, fmt: str) -> tuple[PackedWeight, torch.Tensor]:
     data, scales, dense = quantize(w, fmt)
-    return PackedWeight(fmt, data, scales, kernel), dense
+    return PackedWeight.from_rows(fmt, data, scales, kernel), dense
 
 
 def random_weight(n: int, k: int, seed: int) -> torch.Tensor:
@@ -59,7 +59,7 @@ def test_gguf_blocks_decode_to_what_gguf_dequantizes(kernel: PackedKernel, gguf_
     found = _packed_blocks(tensor)
     assert found is not None
     fmt, block_data, block_scales = found
-    weight = PackedWeight(
+    weight = PackedWeight.from_rows(
         fmt, torch.from_numpy(block_data.copy()), torch.from_numpy(block_scales), kernel
     )
     expected = torch.from_numpy(dequantize(raw, GGMLQuantizationType[gguf_type]).reshape(24, 128))
@@ -67,10 +67,11 @@ def test_gguf_blocks_decode_to_what_gguf_dequantizes(kernel: PackedKernel, gguf_
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, KERNEL_ROWS, KERNEL_ROWS + 5])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 16, 53])
 def test_product_equals_the_dense_matmul(kernel: PackedKernel, fmt: str, rows: int) -> None:
-    # 21 output rows: strips of 8 and a remainder of 5.
-    weight, dense = packed(kernel, random_weight(21, 160, seed=3), fmt)
+    # 150 outputs: groups of 64 and a part of one (19 strips, the last 6 of
+    # 8 rows); 160 columns: chunks of 2 blocks and a remainder of 1.
+    weight, dense = packed(kernel, random_weight(150, 160, seed=3), fmt)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(4))
     expected = x.double() @ dense.double().T
     torch.testing.assert_close(weight.matmul(x).double(), expected, rtol=1e-5, atol=1e-5)
@@ -79,13 +80,19 @@ def test_product_equals_the_dense_matmul(kernel: PackedKernel, fmt: str, rows: i
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_row_result_does_not_depend_on_its_batch(kernel: PackedKernel, fmt: str) -> None:
     # Bit-equal, not close: greedy verification of a 4-row draft must see the
-    # logits a single-row step would.
-    weight, _ = packed(kernel, random_weight(40, 192, seed=5), fmt)
-    x = torch.randn(KERNEL_ROWS, 192, generator=torch.Generator().manual_seed(6))
+    # logits a single-row step would, and a prefill row those of a decode row.
+    weight, _ = packed(kernel, random_weight(150, 192, seed=5), fmt)
+    x = torch.randn(70, 192, generator=torch.Generator().manual_seed(6))
     batch = weight.matmul(x)
-    for rows in (1, 2, 5, 7, 12, 16):  # the row path, 4x2 and 3x4 tiles
+    for rows in (1, 2, 3, 4, 5, 6, 7, 12, 16):  # every tile shape, and mixes of them
         assert torch.equal(weight.matmul(x[:rows]), batch[:rows])
     assert torch.equal(weight.matmul(x[13:14]), batch[13:14])
+    threads = torch.get_num_threads()
+    try:  # the threads split the outputs differently, never a sum
+        torch.set_num_threads(1)
+        assert torch.equal(weight.matmul(x), batch)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_stacking_keeps_every_row(kernel: PackedKernel) -> None:
@@ -105,9 +112,10 @@ def test_selected_rows_decode_to_those_rows(kernel: PackedKernel, fmt: str) -> N
 
 
 def test_a_width_that_is_not_whole_blocks_is_refused(kernel: PackedKernel) -> None:
-    weight = PackedWeight("q8_0", torch.zeros(2, 40, dtype=torch.uint8), torch.ones(2, 1), kernel)
-    with pytest.raises(ValueError, match="multiple of 32"):
-        weight.matmul(torch.zeros(1, 40))
+    with pytest.raises(ValueError, match="40 columns: not a multiple of 32"):
+        PackedWeight.from_rows(
+            "q8_0", torch.zeros(2, 40, dtype=torch.uint8), torch.ones(2, 1), kernel
+        )
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +175,7 @@ def test_parts_of_a_fused_weight_in_different_formats_load_dense(
     store = PackedStore.open(path, kernel)
     assert store is not None
     weights = {
-        name: (store.formats[name], w.data, w.scales)
+        name: (store.formats[name], *w.row_blocks())
         for name in store.formats
         if (w := store.get(name)) is not None
     }

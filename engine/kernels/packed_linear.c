@@ -3,22 +3,42 @@
  *
  * Contract: out[m][n] = sum_k x[m][k] * w[n][k] for x [M, K] float32 and a
  * weight [N, K] kept packed (GGUF Q4_1 or Q8_0 blocks of 32 along K, or
- * bfloat16). A weight value is decoded with exactly the arithmetic gguf's
- * reference dequantizer uses (Q4_1: d * q, rounded, then + m, rounded;
- * Q8_0: d * q; bfloat16: a shift), so the float32 weight this file computes
- * with is bit-for-bit the one `metrale` writes to model.safetensors: the
- * model is the same, only fewer bytes cross the memory bus.
+ * bfloat16) in the layout below. A weight value is decoded with
+ * exactly the arithmetic gguf's reference dequantizer uses (Q4_1: d * q,
+ * rounded, then + m, rounded; Q8_0: d * q; bfloat16: a shift), so the
+ * float32 weight this file computes with is bit-for-bit the one `metrale`
+ * writes to model.safetensors: the model is the same, only fewer bytes cross
+ * the memory bus.
  *
- * Why: decoding a small model on a CPU is bound by memory bandwidth, and
- * float32 weights are 4 bytes each; Q4_1 is 0.625. A strip of NS weight rows
- * is decoded into a buffer that stays in the core's cache and every input
- * row is multiplied against it there.
+ * Layout (metrale/engine/packed.py writes it): the weight's rows are taken
+ * 64 at a time (a group; the last one padded with zero rows), a group's 8
+ * strips of 8 rows each; within a strip, each block of 32 columns is stored
+ * column-major, so that one 8-wide load decodes column k of eight rows:
+ *   Q4_1: 16 x 8 bytes, byte [j][n] = q[n][j] | q[n][j + 16] << 4, and the
+ *         scales d[8] then m[8];
+ *   Q8_0: 32 x 8 signed bytes, and d[8];
+ *   bf16: 32 x 8 16-bit values.
+ * Blocks are stored [group][block][strip], data and scales in two arrays,
+ * so a group reads front to back, one stream for the prefetcher to follow.
  *
- * Batch invariance: each output is one 8-wide accumulator summed over k in
- * ascending order and reduced the same way, whatever M is and whichever
- * tile computed it. A row's result never depends on the rows beside it, so
- * a verify of 4 rows gives the same logits as 4 single-row steps (for as
- * many rows as the caller sends here: packed.py hands wide products to BLAS).
+ * Why: decoding a small model on a CPU is bound by memory bandwidth at one
+ * row and by arithmetic at sixteen. Packed weights cut the bytes (Q4_1 is
+ * 0.625 bytes a value against float32's 4). The column-major strips let the
+ * product run in broadcast form: a decoded chunk of 64 columns of a group
+ * (16 KB) stays in the core's first-level cache while tiles of up to 6 input
+ * rows x 16 outputs multiply against it, each step one broadcast input value
+ * and a few weight loads feeding up to twelve fused multiply-adds. At every
+ * width measured (1 to 2048 rows) this beats decoding the whole weight to
+ * float32 for a BLAS, which writes 4 bytes a value to memory and reads them
+ * back, so prefill chunks run here too.
+ *
+ * Batch invariance: each output is one running float32 sum, a fused
+ * multiply-add per k in ascending order from 0.0, whatever M is and whichever
+ * tile computed it (a sum parked in memory between chunks is the same
+ * float). A row's result never depends on the rows beside it, so a verify of
+ * 4 rows gives the same logits as 4 single-row steps, and a prompt row in a
+ * prefill chunk the same as in a step of its own. The portable path sums in
+ * the same order with fmaf, so it gives the same bits.
  *
  * Built on first use by metrale/engine/packed_kernel.py with the system C
  * compiler (-O3 -march=native -fopenmp -ffp-contract=off: no fused
@@ -26,6 +46,8 @@
  * resolves to the runtime torch has already loaded, so both share one
  * thread pool.
  */
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,163 +58,241 @@
 #endif
 
 enum { FORMAT_Q4_1 = 0, FORMAT_Q8_0 = 1, FORMAT_BF16 = 2 };
-enum { NS = 8, BLOCK = 32 };
+enum {
+    LANES = 8,        /* rows of a strip: one 8-wide vector */
+    BLOCK = 32,       /* columns of a quantization block */
+    GROUP = 8,        /* strips decoded together: 64 outputs */
+    COLS = GROUP * LANES,
+    CHUNK_BLOCKS = 2, /* blocks decoded at a time: 64 columns, 16 KB of floats */
+    TILE_ROWS = 6,
+};
 
-/* Decodes one weight row of K values. `data` points at the row's packed
- * values, `scales` at its per-block scales. */
-typedef void (*decode_row_fn)(const uint8_t *data, const float *scales, float *out, int64_t K);
+/* Decodes one block of `count` consecutive strips: out[k * ld + 8 s + n] =
+ * w[8 s + n][k] for k < 32, n < 8, s < count. `data` and `scales` point at
+ * the first strip's block bytes and scales (the strips' follow on). One call
+ * per block and group, not per strip: the calls cost more than the loop. */
+typedef void (*decode_block_fn)(const uint8_t *data, const float *scales, int count, float *out, int64_t ld);
 
-/* Q4_1: data [K/2] bytes, per block 16 bytes whose low nibbles are values
- * 0..15 and high nibbles 16..31; scales [K/32][2] = (d, m). */
-static void decode_q4_1(const uint8_t *data, const float *scales, float *out, int64_t K) {
-    for (int64_t b = 0; b < K / BLOCK; b++) {
-        const uint8_t *qs = data + b * 16;
-        const float d = scales[2 * b], m = scales[2 * b + 1];
-        float *o = out + b * BLOCK;
+static void decode_q4_1(const uint8_t *data, const float *scales, int count, float *out, int64_t ld) {
+    for (int strip = 0; strip < count; strip++, data += LANES * BLOCK / 2, scales += 2 * LANES, out += LANES) {
 #ifdef METRALE_AVX2
-        __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
-        __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-        __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-        __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        for (int i = 0; i < 4; i++) {
-            __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
-            _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(q, vd), vm));
-        }
+    const __m256 d = _mm256_loadu_ps(scales), m = _mm256_loadu_ps(scales + LANES);
+    const __m128i low_nibble = _mm_set1_epi8(0x0F);
+    for (int j = 0; j < BLOCK / 2; j++) {
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(data + LANES * j));
+        const __m128i lo = _mm_and_si128(bytes, low_nibble);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
+        const __m256 qlo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        const __m256 qhi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        _mm256_storeu_ps(out + j * ld, _mm256_add_ps(_mm256_mul_ps(qlo, d), m));
+        _mm256_storeu_ps(out + (j + BLOCK / 2) * ld, _mm256_add_ps(_mm256_mul_ps(qhi, d), m));
+    }
 #else
-        for (int j = 0; j < 16; j++) {
-            o[j] = (float)(qs[j] & 0x0F) * d + m;
-            o[j + 16] = (float)(qs[j] >> 4) * d + m;
+    for (int j = 0; j < BLOCK / 2; j++)
+        for (int n = 0; n < LANES; n++) {
+            const uint8_t byte = data[LANES * j + n];
+            out[j * ld + n] = (float)(byte & 0x0F) * scales[n] + scales[LANES + n];
+            out[(j + BLOCK / 2) * ld + n] = (float)(byte >> 4) * scales[n] + scales[LANES + n];
         }
 #endif
     }
 }
 
-/* Q8_0: data [K] signed bytes; scales [K/32] = d. */
-static void decode_q8_0(const uint8_t *data, const float *scales, float *out, int64_t K) {
-    const int8_t *qs = (const int8_t *)data;
-    for (int64_t b = 0; b < K / BLOCK; b++) {
-        const float d = scales[b];
-        float *o = out + b * BLOCK;
-        const int8_t *q = qs + b * BLOCK;
+static void decode_q8_0(const uint8_t *data, const float *scales, int count, float *out, int64_t ld) {
+    for (int strip = 0; strip < count; strip++, data += LANES * BLOCK, scales += LANES, out += LANES) {
+    const int8_t *q = (const int8_t *)data;
 #ifdef METRALE_AVX2
-        __m256 vd = _mm256_set1_ps(d);
-        for (int i = 0; i < 4; i++) {
-            __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + 8 * i));
-            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-            _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(v, vd));
-        }
+    const __m256 d = _mm256_loadu_ps(scales);
+    for (int k = 0; k < BLOCK; k++) {
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + LANES * k));
+        _mm256_storeu_ps(out + k * ld, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d));
+    }
 #else
-        for (int j = 0; j < BLOCK; j++) o[j] = (float)q[j] * d;
+    for (int k = 0; k < BLOCK; k++)
+        for (int n = 0; n < LANES; n++) out[k * ld + n] = (float)q[LANES * k + n] * scales[n];
 #endif
     }
 }
 
-/* bfloat16: data [K] 16-bit values, the high half of a float32. */
-static void decode_bf16(const uint8_t *data, const float *scales, float *out, int64_t K) {
+static void decode_bf16(const uint8_t *data, const float *scales, int count, float *out, int64_t ld) {
     (void)scales; /* bfloat16 has none: callers pass a valid dummy pointer */
+    for (int strip = 0; strip < count; strip++, data += 2 * LANES * BLOCK, out += LANES) {
+#ifdef METRALE_AVX2
+    for (int k = 0; k < BLOCK; k++) {
+        const __m128i halves = _mm_loadu_si128((const __m128i *)(data + 2 * LANES * k));
+        const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16);
+        _mm256_storeu_ps(out + k * ld, _mm256_castsi256_ps(bits));
+    }
+#else
     const uint16_t *h = (const uint16_t *)data;
-    for (int64_t k = 0; k < K; k++) {
-        uint32_t bits = (uint32_t)h[k] << 16;
-        memcpy(out + k, &bits, sizeof bits);
+    for (int k = 0; k < BLOCK; k++)
+        for (int n = 0; n < LANES; n++) {
+            const uint32_t bits = (uint32_t)h[LANES * k + n] << 16;
+            memcpy(out + k * ld + n, &bits, sizeof bits);
+        }
+#endif
     }
 }
 
-static decode_row_fn decoder(int format, int64_t K, int64_t *row_bytes, int64_t *row_scales) {
+/* The decoder of `format` and the size of one strip block: its bytes and
+ * its scales. NULL for an unknown format. */
+static decode_block_fn decoder(int format, int64_t *block_bytes, int64_t *block_scales) {
     switch (format) {
-    case FORMAT_Q4_1: *row_bytes = K / 2; *row_scales = 2 * (K / BLOCK); return decode_q4_1;
-    case FORMAT_Q8_0: *row_bytes = K; *row_scales = K / BLOCK; return decode_q8_0;
-    case FORMAT_BF16: *row_bytes = 2 * K; *row_scales = 0; return decode_bf16;
+    case FORMAT_Q4_1: *block_bytes = LANES * BLOCK / 2; *block_scales = 2 * LANES; return decode_q4_1;
+    case FORMAT_Q8_0: *block_bytes = LANES * BLOCK; *block_scales = LANES; return decode_q8_0;
+    case FORMAT_BF16: *block_bytes = 2 * LANES * BLOCK; *block_scales = 0; return decode_bf16;
     default: return NULL;
     }
 }
 
+/* acc[r][c] += sum over k < kc of x[r][k] * w[k][c] for the R rows of a
+ * tile and the 8 S columns of its strips, one fused multiply-add per k in
+ * ascending order. x has row stride K, w and acc COLS.
+ *
+ * Tile shapes: R x S accumulators, at most 12 (with the weight vectors and
+ * the broadcast, within 16 registers) and at least 8 wherever the strips
+ * allow, so both FMA pipes stay busy through their latency: 1x8, 2x4, 3x4,
+ * 4x3, then 5 or 6 rows x 2. The accumulators are named variables, not an array:
+ * gcc keeps an array's home on the stack and stores it on every step. */
 #ifdef METRALE_AVX2
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+#define ACC_LOAD(a, r, s) \
+    if (R > (r) && S > (s)) a = _mm256_loadu_ps(acc + (r) * COLS + (s) * LANES);
+#define ACC_STORE(a, r, s) \
+    if (R > (r) && S > (s)) _mm256_storeu_ps(acc + (r) * COLS + (s) * LANES, a);
+#define ACC_FMA(a, r, s) \
+    if (R > (r) && S > (s)) a = _mm256_fmadd_ps(xb, w##s, a);
+/* Row r's broadcast, then its FMAs: one broadcast register live at a time
+ * (all six at once would push accumulators out to the stack). */
+#define ROW(r, fmas) \
+    if (R > (r)) {                                              \
+        const __m256 xb = _mm256_broadcast_ss(x + (r) * K + k); \
+        fmas                                                    \
+    }
+#define WEIGHT(s) \
+    const __m256 w##s = S > (s) ? _mm256_loadu_ps(w + k * COLS + (s) * LANES) : _mm256_setzero_ps();
+
+/* Up to 6 rows x 2 strips. */
+static inline __attribute__((always_inline)) void tile_narrow(
+    const int R, const int S, const float *x, int64_t K, const float *w, int kc, float *acc) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+    __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+#define EACH(op) \
+    op(a00, 0, 0) op(a01, 0, 1) op(a10, 1, 0) op(a11, 1, 1) op(a20, 2, 0) op(a21, 2, 1) \
+    op(a30, 3, 0) op(a31, 3, 1) op(a40, 4, 0) op(a41, 4, 1) op(a50, 5, 0) op(a51, 5, 1)
+    EACH(ACC_LOAD)
+    for (int k = 0; k < kc; k++) {
+        WEIGHT(0) WEIGHT(1)
+        ROW(0, ACC_FMA(a00, 0, 0) ACC_FMA(a01, 0, 1))
+        ROW(1, ACC_FMA(a10, 1, 0) ACC_FMA(a11, 1, 1))
+        ROW(2, ACC_FMA(a20, 2, 0) ACC_FMA(a21, 2, 1))
+        ROW(3, ACC_FMA(a30, 3, 0) ACC_FMA(a31, 3, 1))
+        ROW(4, ACC_FMA(a40, 4, 0) ACC_FMA(a41, 4, 1))
+        ROW(5, ACC_FMA(a50, 5, 0) ACC_FMA(a51, 5, 1))
+    }
+    EACH(ACC_STORE)
+#undef EACH
 }
 
-/* Rows m..m+3 of x against weight rows n, n+1: eight accumulators. */
-static void tile_4x2(const float *x, int64_t K, const float *w, float *out, int64_t ldo) {
-    __m256 acc[4][2];
-    for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + K + k);
-        for (int i = 0; i < 4; i++) {
-            __m256 xv = _mm256_loadu_ps(x + i * K + k);
-            acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
-        }
+/* Up to 3 rows x 4 strips. */
+static inline __attribute__((always_inline)) void tile_wide(
+    const int R, const int S, const float *x, int64_t K, const float *w, int kc, float *acc) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00;
+    __m256 a12 = a00, a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+#define EACH(op) \
+    op(a00, 0, 0) op(a01, 0, 1) op(a02, 0, 2) op(a03, 0, 3) op(a10, 1, 0) op(a11, 1, 1) \
+    op(a12, 1, 2) op(a13, 1, 3) op(a20, 2, 0) op(a21, 2, 1) op(a22, 2, 2) op(a23, 2, 3)
+    EACH(ACC_LOAD)
+    for (int k = 0; k < kc; k++) {
+        WEIGHT(0) WEIGHT(1) WEIGHT(2) WEIGHT(3)
+        ROW(0, ACC_FMA(a00, 0, 0) ACC_FMA(a01, 0, 1) ACC_FMA(a02, 0, 2) ACC_FMA(a03, 0, 3))
+        ROW(1, ACC_FMA(a10, 1, 0) ACC_FMA(a11, 1, 1) ACC_FMA(a12, 1, 2) ACC_FMA(a13, 1, 3))
+        ROW(2, ACC_FMA(a20, 2, 0) ACC_FMA(a21, 2, 1) ACC_FMA(a22, 2, 2) ACC_FMA(a23, 2, 3))
     }
-    for (int i = 0; i < 4; i++) {
-        out[i * ldo] = hsum8(acc[i][0]);
-        out[i * ldo + 1] = hsum8(acc[i][1]);
-    }
+    EACH(ACC_STORE)
+#undef EACH
 }
 
-/* Rows m..m+2 of x against weight rows n..n+3: twelve accumulators, enough
- * to keep both FMA pipes busy through their latency. */
-static void tile_3x4(const float *x, int64_t K, const float *w, float *out, int64_t ldo) {
-    __m256 acc[3][4];
-    for (int i = 0; i < 3; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + K + k), x2 = _mm256_loadu_ps(x + 2 * K + k);
-        for (int j = 0; j < 4; j++) {
-            const __m256 wv = _mm256_loadu_ps(w + j * K + k);
-            acc[0][j] = _mm256_fmadd_ps(x0, wv, acc[0][j]);
-            acc[1][j] = _mm256_fmadd_ps(x1, wv, acc[1][j]);
-            acc[2][j] = _mm256_fmadd_ps(x2, wv, acc[2][j]);
-        }
+/* Four rows x up to 3 strips. */
+static inline __attribute__((always_inline)) void tile_square(
+    const int R, const int S, const float *x, int64_t K, const float *w, int kc, float *acc) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+    __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+#define EACH(op) \
+    op(a00, 0, 0) op(a01, 0, 1) op(a02, 0, 2) op(a10, 1, 0) op(a11, 1, 1) op(a12, 1, 2) \
+    op(a20, 2, 0) op(a21, 2, 1) op(a22, 2, 2) op(a30, 3, 0) op(a31, 3, 1) op(a32, 3, 2)
+    EACH(ACC_LOAD)
+    for (int k = 0; k < kc; k++) {
+        WEIGHT(0) WEIGHT(1) WEIGHT(2)
+        ROW(0, ACC_FMA(a00, 0, 0) ACC_FMA(a01, 0, 1) ACC_FMA(a02, 0, 2))
+        ROW(1, ACC_FMA(a10, 1, 0) ACC_FMA(a11, 1, 1) ACC_FMA(a12, 1, 2))
+        ROW(2, ACC_FMA(a20, 2, 0) ACC_FMA(a21, 2, 1) ACC_FMA(a22, 2, 2))
+        ROW(3, ACC_FMA(a30, 3, 0) ACC_FMA(a31, 3, 1) ACC_FMA(a32, 3, 2))
     }
-    for (int i = 0; i < 3; i++)
-        for (int j = 0; j < 4; j++) out[i * ldo + j] = hsum8(acc[i][j]);
+    EACH(ACC_STORE)
+#undef EACH
 }
 
-/* One row of x against ns <= NS weight rows. */
-static void row_by_strip(const float *x, int64_t K, const float *w, int ns, float *out) {
-    __m256 acc[NS];
-    for (int n = 0; n < ns; n++) acc[n] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 xv = _mm256_loadu_ps(x + k);
-        for (int n = 0; n < ns; n++) acc[n] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + n * K + k), acc[n]);
+/* One row x 8 strips. */
+static inline __attribute__((always_inline)) void tile_row(
+    const int R, const int S, const float *x, int64_t K, const float *w, int kc, float *acc) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+    __m256 a04 = a00, a05 = a00, a06 = a00, a07 = a00;
+#define EACH(op) \
+    op(a00, 0, 0) op(a01, 0, 1) op(a02, 0, 2) op(a03, 0, 3) \
+    op(a04, 0, 4) op(a05, 0, 5) op(a06, 0, 6) op(a07, 0, 7)
+    EACH(ACC_LOAD)
+    for (int k = 0; k < kc; k++) {
+        WEIGHT(0) WEIGHT(1) WEIGHT(2) WEIGHT(3) WEIGHT(4) WEIGHT(5) WEIGHT(6) WEIGHT(7)
+        ROW(0, ACC_FMA(a00, 0, 0) ACC_FMA(a01, 0, 1) ACC_FMA(a02, 0, 2) ACC_FMA(a03, 0, 3)
+               ACC_FMA(a04, 0, 4) ACC_FMA(a05, 0, 5) ACC_FMA(a06, 0, 6) ACC_FMA(a07, 0, 7))
     }
-    for (int n = 0; n < ns; n++) out[n] = hsum8(acc[n]);
+    EACH(ACC_STORE)
+#undef EACH
+}
+#undef ACC_LOAD
+#undef ACC_STORE
+#undef ACC_FMA
+#undef ROW
+#undef WEIGHT
+
+static void run_tile(int R, int S, const float *x, int64_t K, const float *w, int kc, float *acc) {
+#define TILE_CASE(kind, r, s) \
+    case (r) * 16 + (s): kind(r, s, x, K, w, kc, acc); break;
+    switch (R * 16 + S) {
+        TILE_CASE(tile_row, 1, 8) TILE_CASE(tile_wide, 1, 4) TILE_CASE(tile_narrow, 1, 2)
+        TILE_CASE(tile_narrow, 1, 1) TILE_CASE(tile_wide, 2, 4) TILE_CASE(tile_narrow, 2, 2)
+        TILE_CASE(tile_narrow, 2, 1) TILE_CASE(tile_wide, 3, 4) TILE_CASE(tile_narrow, 3, 2)
+        TILE_CASE(tile_narrow, 3, 1) TILE_CASE(tile_square, 4, 3) TILE_CASE(tile_narrow, 4, 2)
+        TILE_CASE(tile_narrow, 4, 1)
+        TILE_CASE(tile_narrow, 5, 2) TILE_CASE(tile_narrow, 5, 1) TILE_CASE(tile_narrow, 6, 2)
+        TILE_CASE(tile_narrow, 6, 1)
+    default: break; /* unreachable: product() asks only for the shapes above */
+    }
+#undef TILE_CASE
 }
 #else
-/* Portable order matching the vector code: eight running lanes, then the
- * same pairwise reduction as hsum8. */
-static float dot_lanes(const float *x, const float *w, int64_t K) {
-    float lane[8] = {0};
-    for (int64_t k = 0; k < K; k += 8)
-        for (int j = 0; j < 8; j++) lane[j] = __builtin_fmaf(x[k + j], w[k + j], lane[j]);
-    float a[4];
-    for (int j = 0; j < 4; j++) a[j] = lane[j] + lane[j + 4];
-    float b0 = a[0] + a[2], b1 = a[1] + a[3];
-    return b0 + b1;
+static void run_tile(int R, int S, const float *x, int64_t K, const float *w, int kc, float *acc) {
+    for (int k = 0; k < kc; k++)
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < S * LANES; c++)
+                acc[r * COLS + c] = fmaf(x[r * K + k], w[k * COLS + c], acc[r * COLS + c]);
 }
 #endif
 
-static void strip_product(const float *x, int64_t M, int64_t K, const float *w, int ns, float *out, int64_t N) {
-#ifdef METRALE_AVX2
-    /* Tiles of 3x4 pay from about 12 rows (batch 16: 5-12% faster than 4x2),
-     * 4x2 below. Every tile and the row path sum each output in the same
-     * order, so the choice never changes a result. */
-    int64_t m = 0;
-    if (ns == NS && M >= 12)
-        for (; m + 3 <= M; m += 3)
-            for (int n = 0; n < NS; n += 4) tile_3x4(x + m * K, K, w + n * K, out + m * N + n, N);
-    if (ns == NS)
-        for (; m + 4 <= M; m += 4)
-            for (int n = 0; n < NS; n += 2) tile_4x2(x + m * K, K, w + n * K, out + m * N + n, N);
-    for (; m < M; m++) row_by_strip(x + m * K, K, w, ns, out + m * N);
-#else
-    for (int64_t m = 0; m < M; m++)
-        for (int n = 0; n < ns; n++) out[m * N + n] = dot_lanes(x + m * K, w + n * K, K);
-#endif
+/* acc [M][COLS] += x[:, chunk] @ w, w the decoded chunk [kc][COLS] of `strips`
+ * strips. */
+static void product(const float *x, int64_t M, int64_t K, const float *w, int kc, int strips, float *acc) {
+    for (int64_t m = 0; m < M; m += TILE_ROWS) {
+        const int rows = (int)(M - m < TILE_ROWS ? M - m : TILE_ROWS);
+        const int widest = rows == 1 ? 8 : rows <= 3 ? 4 : rows == 4 ? 3 : 2;
+        for (int c = 0; c < strips;) {
+            int width = widest < strips - c ? widest : strips - c;
+            if (rows != 4)
+                while (width & (width - 1)) width--; /* 1, 2, 4 or 8 strips; 3 only for 4 rows */
+            run_tile(rows, width, x + m * K, K, w + c * LANES, kc, acc + m * COLS + c * LANES);
+            c += width;
+        }
+    }
 }
 
 /* out [M, N] = x [M, K] @ decode(weight)^T. Returns 0, or -1 for a bad
@@ -200,38 +300,62 @@ static void strip_product(const float *x, int64_t M, int64_t K, const float *w, 
 int metrale_packed_linear(
     int format, const float *x, int64_t M, int64_t K, const uint8_t *data, const float *scales,
     int64_t N, float *out, int threads) {
-    int64_t row_bytes, row_scales;
-    decode_row_fn decode = decoder(format, K, &row_bytes, &row_scales);
+    int64_t block_bytes, block_scales;
+    const decode_block_fn decode = decoder(format, &block_bytes, &block_scales);
     if (decode == NULL || K % BLOCK != 0) return -1;
-    const int64_t strips = (N + NS - 1) / NS;
+    if (M == 0) return 0;
+    const int64_t strips = (N + LANES - 1) / LANES, blocks = K / BLOCK;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        /* Every thread reaches the worksharing loop, as OpenMP requires; one
-         * without a buffer only reports the failure. */
-        float *buf = (float *)malloc(sizeof(float) * NS * K);
-        failed = buf == NULL;
-#pragma omp for schedule(static)
-        for (int64_t s = 0; s < strips; s++) {
-            if (buf == NULL) continue;
-            const int64_t n0 = s * NS;
-            const int ns = (int)(N - n0 < NS ? N - n0 : NS);
-            for (int n = 0; n < ns; n++)
-                decode(data + (n0 + n) * row_bytes, scales + (n0 + n) * row_scales, buf + n * K, K);
-            strip_product(x, M, K, buf, ns, out + n0, N);
+        /* Each thread takes an even share of the strips, not of whole groups:
+         * a 576-wide layer is 9 groups, which two threads would split 5:4. */
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t first = strips * me / team, last = strips * (me + 1) / team;
+        float *buf = aligned_alloc(64, sizeof(float) * CHUNK_BLOCKS * BLOCK * COLS);
+        float *acc = aligned_alloc(64, sizeof(float) * (size_t)M * COLS);
+        failed = buf == NULL || acc == NULL;
+        for (int64_t s0 = first, s1; s0 < last && !failed; s0 = s1) {
+            const int64_t group = s0 / GROUP, group_end = (group + 1) * GROUP;
+            s1 = last < group_end ? last : group_end; /* this thread's strips of the group */
+            const int count = (int)(s1 - s0);
+            memset(acc, 0, sizeof(float) * (size_t)M * COLS);
+            for (int64_t b0 = 0; b0 < blocks; b0 += CHUNK_BLOCKS) {
+                const int chunk = (int)(blocks - b0 < CHUNK_BLOCKS ? blocks - b0 : CHUNK_BLOCKS);
+                for (int b = 0; b < chunk; b++) {
+                    const int64_t at = (group * blocks + b0 + b) * GROUP + s0 % GROUP;
+                    decode(data + at * block_bytes, scales + at * block_scales, count, buf + b * BLOCK * COLS, COLS);
+                }
+                product(x + b0 * BLOCK, M, K, buf, chunk * BLOCK, count, acc);
+            }
+            const int64_t n0 = s0 * LANES, width = N - n0 < count * LANES ? N - n0 : count * LANES;
+            for (int64_t m = 0; m < M; m++) memcpy(out + m * N + n0, acc + m * COLS, sizeof(float) * width);
         }
         free(buf);
+        free(acc);
     }
     return failed ? -2 : 0;
 }
 
-/* out [N, K] = decode(weight): for the wide products (prefill) that a BLAS
- * does faster, and for tests. */
+/* out [N, K] = decode(weight) in row-major order: for training (the frozen
+ * LM head) and for tests. */
 int metrale_decode(int format, int64_t K, const uint8_t *data, const float *scales, int64_t N, float *out, int threads) {
-    int64_t row_bytes, row_scales;
-    decode_row_fn decode = decoder(format, K, &row_bytes, &row_scales);
+    int64_t block_bytes, block_scales;
+    const decode_block_fn decode = decoder(format, &block_bytes, &block_scales);
     if (decode == NULL || K % BLOCK != 0) return -1;
+    const int64_t strips = (N + LANES - 1) / LANES, blocks = K / BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) decode(data + n * row_bytes, scales + n * row_scales, out + n * K, K);
+    for (int64_t s = 0; s < strips; s++) {
+        float block[BLOCK * LANES]; /* [k][n] */
+        const int rows = (int)(N - s * LANES < LANES ? N - s * LANES : LANES);
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t at = (s / GROUP * blocks + b) * GROUP + s % GROUP;
+            decode(data + at * block_bytes, scales + at * block_scales, 1, block, LANES);
+            for (int n = 0; n < rows; n++) {
+                float *row = out + (s * LANES + n) * K + b * BLOCK;
+                for (int k = 0; k < BLOCK; k++) row[k] = block[k * LANES + n];
+            }
+        }
+    }
     return 0;
 }
