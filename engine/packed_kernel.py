@@ -29,6 +29,7 @@ import torch
 
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = tuple(KERNELS / name for name in ("packed_linear.c", "attention.c", "layer_ops.c"))
+HEADERS = (KERNELS / "vector_math.h",)  # included by the sources: hashed with them
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 FORMATS = {"q4_1": 0, "q8_0": 1, "bf16": 2}
 
@@ -277,7 +278,7 @@ def _build() -> Path:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     from metrale.engine.default_model import metrale_home  # it imports this module's users
 
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode() + _cpu_id()).hexdigest()
     target = metrale_home() / "kernels" / f"metrale-kernels-{key[:16]}.so"
     if target.exists():
