@@ -27,10 +27,11 @@
  * product run in broadcast form: a decoded chunk of 64 columns of a group
  * (16 KB) stays in the core's first-level cache while tiles of up to 6 input
  * rows x 16 outputs multiply against it, each step one broadcast input value
- * and a few weight loads feeding up to twelve fused multiply-adds. At every
- * width measured (1 to 2048 rows) this beats decoding the whole weight to
- * float32 for a BLAS, which writes 4 bytes a value to memory and reads them
- * back, so prefill chunks run here too.
+ * and a few weight loads feeding up to twelve fused multiply-adds. A single
+ * row skips the buffer: each decoded vector goes straight into its FMA. At
+ * every width measured (1 to 2048 rows) this beats decoding the whole weight
+ * to float32 for a BLAS, which writes 4 bytes a value to memory and reads
+ * them back, so prefill chunks run here too.
  *
  * Batch invariance: each output is one running float32 sum, a fused
  * multiply-add per k in ascending order from 0.0, whatever M is and whichever
@@ -295,6 +296,103 @@ static void product(const float *x, int64_t M, int64_t K, const float *w, int kc
     }
 }
 
+#ifdef METRALE_AVX2
+/* One row: the 64 outputs of a group, decoded straight into registers and
+ * multiplied there (no buffer: at one row each weight is used once, and the
+ * store and reload of a decoded chunk cost as much as the decode). Each
+ * output's sum is the same fused multiply-add chain in ascending k as in the
+ * tiles, on the same decoded floats, so the bits are those of any batch.
+ * `data` and `scales` point at the group's first block. */
+#define STRIPS8(op) op(0) op(1) op(2) op(3) op(4) op(5) op(6) op(7)
+#define ACC_DECLARE(s) __m256 acc##s = _mm256_setzero_ps();
+#define ACC_OUT(s) _mm256_storeu_ps(out + (s) * LANES, acc##s);
+
+static void row_group_q4_1(const float *x, int64_t blocks, const uint8_t *data, const float *scales, float *out) {
+    STRIPS8(ACC_DECLARE)
+    const __m256i low_nibble = _mm256_set1_epi32(0x0F);
+    for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
+        const uint8_t *bytes = data + b * GROUP * (LANES * BLOCK / 2);
+        const float *sc = scales + b * GROUP * 2 * LANES;
+#define Q4_STEP(s)                                                                                  \
+    {                                                                                               \
+        __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + (s) * 128 + 8 * j))); \
+        q = high ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, low_nibble);                     \
+        const __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(sc + (s) * 16)), \
+                                       _mm256_loadu_ps(sc + (s) * 16 + LANES));                    \
+        acc##s = _mm256_fmadd_ps(xk, w, acc##s);                                                    \
+    }
+        for (int high = 0; high < 2; high++) /* k = 0..15 from the low nibbles, then 16..31 */
+            for (int j = 0; j < BLOCK / 2; j++) {
+                const __m256 xk = _mm256_broadcast_ss(x + 16 * high + j);
+                STRIPS8(Q4_STEP)
+            }
+#undef Q4_STEP
+    }
+    STRIPS8(ACC_OUT)
+}
+
+static void row_group_q8_0(const float *x, int64_t blocks, const uint8_t *data, const float *scales, float *out) {
+    STRIPS8(ACC_DECLARE)
+    for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
+        const uint8_t *bytes = data + b * GROUP * (LANES * BLOCK);
+        const float *sc = scales + b * GROUP * LANES;
+#define Q8_STEP(s)                                                                                   \
+    {                                                                                                \
+        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + (s) * 256 + 8 * k))); \
+        const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(sc + (s) * LANES));       \
+        acc##s = _mm256_fmadd_ps(xk, w, acc##s);                                                     \
+    }
+        for (int k = 0; k < BLOCK; k++) {
+            const __m256 xk = _mm256_broadcast_ss(x + k);
+            STRIPS8(Q8_STEP)
+        }
+#undef Q8_STEP
+    }
+    STRIPS8(ACC_OUT)
+}
+
+static void row_group_bf16(const float *x, int64_t blocks, const uint8_t *data, const float *scales, float *out) {
+    (void)scales;
+    STRIPS8(ACC_DECLARE)
+    for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
+        const uint8_t *halves = data + b * GROUP * (2 * LANES * BLOCK);
+#define BF16_STEP(s)                                                                                   \
+    {                                                                                                  \
+        const __m128i h = _mm_loadu_si128((const __m128i *)(halves + (s) * 512 + 16 * k));             \
+        const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));         \
+        acc##s = _mm256_fmadd_ps(xk, w, acc##s);                                                       \
+    }
+        for (int k = 0; k < BLOCK; k++) {
+            const __m256 xk = _mm256_broadcast_ss(x + k);
+            STRIPS8(BF16_STEP)
+        }
+#undef BF16_STEP
+    }
+    STRIPS8(ACC_OUT)
+}
+#undef STRIPS8
+#undef ACC_DECLARE
+#undef ACC_OUT
+
+typedef void (*row_group_fn)(const float *x, int64_t blocks, const uint8_t *data, const float *scales, float *out);
+
+/* out [N] = x [K] @ decode(weight)^T, one group at a time; a group shared
+ * with the other thread is computed whole by both, each keeping its part. */
+static void row_product(
+    row_group_fn group_product, const float *x, int64_t blocks, const uint8_t *data, const float *scales,
+    int64_t block_bytes, int64_t block_scales, int64_t N, int64_t first, int64_t last, float *out) {
+    float group_out[COLS];
+    for (int64_t s0 = first, s1; s0 < last; s0 = s1) {
+        const int64_t group = s0 / GROUP, group_end = (group + 1) * GROUP;
+        s1 = last < group_end ? last : group_end;
+        const int64_t at = group * blocks * GROUP;
+        group_product(x, blocks, data + at * block_bytes, scales + at * block_scales, group_out);
+        const int64_t n0 = s0 * LANES, n1 = s1 * LANES < N ? s1 * LANES : N;
+        memcpy(out + n0, group_out + (n0 - group * COLS), sizeof(float) * (n1 - n0));
+    }
+}
+#endif
+
 /* out [M, N] = x [M, K] @ decode(weight)^T. Returns 0, or -1 for a bad
  * format or a K that is not a multiple of 32, or -2 when out of memory. */
 int metrale_packed_linear(
@@ -311,7 +409,17 @@ int metrale_packed_linear(
         /* Each thread takes an even share of the strips, not of whole groups:
          * a 576-wide layer is 9 groups, which two threads would split 5:4. */
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t first = strips * me / team, last = strips * (me + 1) / team;
+        int64_t first = strips * me / team;
+        const int64_t last = strips * (me + 1) / team;
+#ifdef METRALE_AVX2
+        if (M == 1) {
+            const row_group_fn group_product = format == FORMAT_Q4_1   ? row_group_q4_1
+                                               : format == FORMAT_Q8_0 ? row_group_q8_0
+                                                                       : row_group_bf16;
+            row_product(group_product, x, blocks, data, scales, block_bytes, block_scales, N, first, last, out);
+            first = last; /* nothing left for the tiles */
+        }
+#endif
         float *buf = aligned_alloc(64, sizeof(float) * CHUNK_BLOCKS * BLOCK * COLS);
         float *acc = aligned_alloc(64, sizeof(float) * (size_t)M * COLS);
         failed = buf == NULL || acc == NULL;
