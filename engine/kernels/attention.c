@@ -13,13 +13,14 @@
  *
  * Why: a batched step used to pad every sequence to the longest one and
  * mask, so each read the longest sequence's cache length, in small matrix
- * products that never reach the memory bus's speed. Here each (sequence,
- * query head) is one task over that sequence's own positions: its scores four
- * keys at a time, the softmax with a vector exp (exp8, within 2 ulp of
- * expf), and the weighted sum of values in registers. (Tasks per kv head
- * were 3 at batch 1 for the default model, which 2 threads split 2:1; a
- * 9-row verify over 300 positions took 478 us a layer, mostly scalar expf and
- * a load and store of the output for every position.)
+ * products that never reach the memory bus's speed. Here each query row
+ * reads only its own sequence's positions: its scores four keys at a time,
+ * the softmax with a vector exp (exp8, within 2 ulp of expf), and the
+ * weighted sum of values in registers. A task is a (sequence, kv head) with
+ * its query heads, or a (sequence, query head) when there are too few of
+ * those for the threads. (Before, scalar expf, an output load and store per
+ * position, and 3 tasks on 2 threads at batch 1 made a 9-row verify over 300
+ * positions take 478 us a layer; now 150.)
  *
  * Batch invariance: a query's result depends only on its own segment, and
  * every sum runs in a fixed order set by the query's own positions, so a
@@ -115,6 +116,31 @@ static float dot_scalar(const float *a, const float *b, int64_t D) {
     return s;
 }
 
+/* One query row at position p over K and V (its kv head's cache rows):
+ * out [D]. scores: room for p + 9 floats. */
+static void attend_row(
+    const float *qr, const float *K, const float *V, int64_t D, int64_t p, int64_t window, float scale, int vector,
+    float *scores, float *out) {
+    const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0; /* reads lo .. p */
+    const int64_t n = p - lo + 1;
+    if (!vector) {
+        for (int64_t j = 0; j < n; j++) scores[j] = scale * dot_scalar(qr, K + (lo + j) * D, D);
+        softmax_values_scalar(scores, n, V + lo * D, D, out);
+        return;
+    }
+#ifdef METRALE_AVX2
+    const __m128 scale4 = _mm_set1_ps(scale);
+    for (int64_t j = 0; j < n; j += 4) {
+        /* past the row's last position, repeat it: same sums, discarded */
+        const float *k0 = K + (lo + j) * D;
+        const float *k1 = j + 1 < n ? k0 + D : k0, *k2 = j + 2 < n ? k0 + 2 * D : k0;
+        const float *k3 = j + 3 < n ? k0 + 3 * D : k0;
+        _mm_storeu_ps(scores + j, _mm_mul_ps(scale4, dot4(qr, k0, k1, k2, k3, D)));
+    }
+    softmax_values(scores, n, V + lo * D, D, out);
+#endif
+}
+
 /* q: row t, head h at q + t * q_stride + h * D. seg: [segments][4] as in the
  * contract. out: [rows in all, heads * D], contiguous. Returns 0, -1 for
  * heads not a multiple of kv_heads, -2 when out of memory. */
@@ -129,6 +155,13 @@ int metrale_attend(
 #else
     const int vector = 0;
 #endif
+    /* A task is a sequence's kv head with all the query heads that share it
+     * (its keys and values then come from memory once, and stay in cache for
+     * the others), unless that leaves too few tasks to keep the threads
+     * busy: one sequence of 3 kv heads on 2 threads. Then each query head is
+     * a task. The split never changes a result. */
+    const int64_t per_task = segments * kv_heads >= 4 * threads ? G : 1;
+    const int64_t tasks_per_segment = heads / per_task;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -136,7 +169,7 @@ int metrale_attend(
         int64_t capacity = 0;
 #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int64_t s = 0; s < segments; s++) {
-            for (int64_t h = 0; h < heads; h++) {
+            for (int64_t task = 0; task < tasks_per_segment; task++) {
                 const int64_t slot = seg[4 * s], start = seg[4 * s + 1];
                 const int64_t rows = seg[4 * s + 2], row0 = seg[4 * s + 3];
                 const int64_t span = start + rows; /* the most positions a row reads */
@@ -150,30 +183,12 @@ int metrale_attend(
                     capacity = 0;
                     continue;
                 }
-                const int64_t base = (slot * kv_heads + h / G) * max_len;
-                const float *K = keys + base * D, *V = values + base * D;
-                for (int64_t r = 0; r < rows; r++) {
-                    const int64_t p = start + r; /* reads positions lo .. p */
-                    const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-                    const int64_t n = p - lo + 1;
-                    const float *qr = q + (row0 + r) * q_stride + h * D;
-                    float *o = out + (row0 + r) * heads * D + h * D;
-                    if (!vector) {
-                        for (int64_t j = 0; j < n; j++) scores[j] = scale * dot_scalar(qr, K + (lo + j) * D, D);
-                        softmax_values_scalar(scores, n, V + lo * D, D, o);
-                        continue;
-                    }
-#ifdef METRALE_AVX2
-                    const __m128 scale4 = _mm_set1_ps(scale);
-                    for (int64_t j = 0; j < n; j += 4) {
-                        /* past the row's last position, repeat it: same sums, discarded */
-                        const float *k0 = K + (lo + j) * D;
-                        const float *k1 = j + 1 < n ? k0 + D : k0, *k2 = j + 2 < n ? k0 + 2 * D : k0;
-                        const float *k3 = j + 3 < n ? k0 + 3 * D : k0;
-                        _mm_storeu_ps(scores + j, _mm_mul_ps(scale4, dot4(qr, k0, k1, k2, k3, D)));
-                    }
-                    softmax_values(scores, n, V + lo * D, D, o);
-#endif
+                for (int64_t h = task * per_task; h < (task + 1) * per_task; h++) {
+                    const int64_t base = (slot * kv_heads + h / G) * max_len;
+                    const float *K = keys + base * D, *V = values + base * D;
+                    for (int64_t r = 0; r < rows; r++)
+                        attend_row(q + (row0 + r) * q_stride + h * D, K, V, D, start + r, window, scale, vector, scores,
+                                   out + (row0 + r) * heads * D + h * D);
                 }
             }
         }
