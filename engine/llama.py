@@ -15,8 +15,11 @@ short prefill chunks) attend in metrale's C kernel (``kernels/attention.c``:
 each segment reads only its own cache length, whatever its neighbours);
 other forwards, and a lone prefill from position 0, use torch's attention on
 segments padded to the longest. The norms, rotary embedding, cache write and
-SwiGLU then run in ``kernels/layer_ops.c`` too. q/k/v and gate/up weights
-are fused at load time so a decode step costs few, large ops. Everything runs
+SwiGLU then run in ``kernels/layer_ops.c`` too; when every layer's products
+are packed (and it has no biases or q/k norms) such a forward goes through
+all layers in one C call (``fused_layers.py``), bit for bit the same. q/k/v
+and gate/up weights are fused at load time so a decode step costs few, large
+ops. Everything runs
 under ``torch.inference_mode``, so the returned logits and hidden states are
 inference tensors: read them freely, but clone before modifying them in place
 outside inference mode.
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale.engine.checkpoint import ArchSpec, WeightStore
+from metrale.engine.fused_layers import FusedLayers
 from metrale.engine.kv_cache import RowPlan, SlotKVCache, plan_rows
 from metrale.engine.model import ForwardOutput, LogitRows, Segment
 from metrale.engine.packed import PackedSource, PackedWeight
@@ -157,15 +161,22 @@ class DecoderStack:
         self.group = spec.num_heads // spec.num_kv_heads
         cpu_float32 = cache.keys[0].device.type == "cpu" and cache.keys[0].dtype == torch.float32
         self.kernel: PackedKernel | None = packed_kernel() if cpu_float32 else None
+        # Every layer in one C call for decode and verify steps (None: layer by layer).
+        self.fused = FusedLayers.build(spec, blocks, cache, self.kernel)
 
     def run(self, x: torch.Tensor, plan: RowPlan, rope: RopeTable) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden]`` through every block; returns the new residual."""
+        if self.fused is not None and plan.mask is not None and self._kernel_attends(plan):
+            return self.fused.run(x, plan, rope)
         # The C kernel rotates from the tables by position; torch from gathered rows.
         cos_sin = None if self.kernel is not None else rope.gather(plan.positions)
         for layer, w in enumerate(self.blocks):
             x = x + self._attention(self._norm(x, w.attn_norm), w, layer, plan, rope, cos_sin)
             x = x + linear(self._swiglu(linear(self._norm(x, w.mlp_norm), w.gate_up)), w.down)
         return x
+
+    def _kernel_attends(self, plan: RowPlan) -> bool:
+        return self.kernel is not None and plan.max_rows <= KERNEL_ATTENTION_ROWS
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.is_contiguous():
@@ -224,8 +235,8 @@ class DecoderStack:
             self.cache.write(layer, plan, k, v)
         if plan.mask is None:
             out = self._causal_prefill(q, k, v)
-        elif self.kernel is not None and plan.max_rows <= KERNEL_ATTENTION_ROWS:
-            assert plan.segment_table is not None, "plan_rows builds the table"
+        elif self._kernel_attends(plan):
+            assert self.kernel is not None and plan.segment_table is not None
             out = self.kernel.attend(
                 q,
                 self.cache.keys[layer],

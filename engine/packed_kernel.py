@@ -28,10 +28,13 @@ from pathlib import Path
 import torch
 
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = tuple(KERNELS / name for name in ("packed_linear.c", "attention.c", "layer_ops.c"))
+SOURCES = tuple(
+    KERNELS / name for name in ("packed_linear.c", "attention.c", "layer_ops.c", "decoder_layers.c")
+)
 HEADERS = (KERNELS / "vector_math.h",)  # included by the sources: hashed with them
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 FORMATS = {"q4_1": 0, "q8_0": 1, "bf16": 2}
+LAYER_FIELDS = 16  # int64 fields of a layer in decoder_layers.c's table
 
 _pointer, _int64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # bfloat16 weights have no scales; the kernel still gets a valid address.
@@ -75,6 +78,13 @@ class PackedKernel:
             _pointer, _int64, _pointer, _int64, _pointer, _pointer, _int64, _int64, _int64,
             _int64, _pointer,
         ]  # fmt: skip
+        self._layers = library.metrale_decoder_layers
+        self._layers.argtypes = [
+            _pointer, _int64, _int64, _pointer, _int64, _int64, _int64, _int64, _int64,
+            ctypes.c_float, _pointer, _pointer, _pointer, _int64, _int64, _pointer, _int64,
+            ctypes.c_float, _pointer, _int,
+        ]  # fmt: skip
+        self._layers.restype = _int
         self._silu_mul = library.metrale_silu_mul
         self._silu_mul.argtypes = [_pointer, _int64, _int64, _pointer, _int]
         for function in (self._rms_norm, self._rope, self._kv_write, self._silu_mul):
@@ -208,6 +218,77 @@ class PackedKernel:
             gate_up.data_ptr(), rows, width // 2, out.data_ptr(), torch.get_num_threads()
         )
         return out
+
+    def takes_cache(
+        self, keys: torch.Tensor, values: torch.Tensor, kv_heads: int, head_dim: int
+    ) -> bool:
+        """Whether a layer's cache tensors are what the C side reads."""
+        try:
+            _float32_cpu(keys, values)
+            _whole_cache(keys, values, kv_heads, head_dim)
+        except ValueError:
+            return False
+        return True
+
+    @staticmethod
+    def weight_fields(fmt: str, tiles: torch.Tensor, scales: torch.Tensor) -> list[int]:
+        """A packed weight's format, data and scales addresses for a layer table."""
+        return [FORMATS[fmt], int(tiles.data_ptr()), _scales_ptr(scales)]
+
+    def decoder_layers(
+        self,
+        x: torch.Tensor,
+        table: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        max_len: int,
+        segments: torch.Tensor,
+        window: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """``x`` ``[rows, hidden]`` (updated in place and returned) through the
+        layers of ``table`` ``[layers, LAYER_FIELDS]``, which ``FusedLayers``
+        writes from tensors it checked; ``positions`` and ``segments`` are a
+        ``RowPlan``'s, checked by ``plan_rows`` against the cache."""
+        rows, hidden = x.shape
+        _float32_cpu(x, cos, sin)
+        _require(x.is_contiguous(), "contiguous rows")
+        _require(
+            table.dtype == torch.int64 and table.is_contiguous() and table.dim() == 2
+            and table.shape[1] == LAYER_FIELDS,
+            f"an int64 layer table [layers, {LAYER_FIELDS}]",
+        )  # fmt: skip
+        _require(
+            cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape
+            and cos.shape[1] == head_dim and cos.shape[0] >= max_len,
+            "contiguous cos/sin tables of one row per position",
+        )  # fmt: skip
+        _require(
+            positions.dtype == torch.int64 and positions.shape == (rows,)
+            and positions.device.type == "cpu" and positions.is_contiguous(),
+            "one int64 CPU position per row",
+        )  # fmt: skip
+        _segment_table(segments)
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        widths = 2 * hidden + q_size + 2 * kv_size + q_size + 3 * intermediate
+        scratch = torch.empty(rows * widths, dtype=torch.float32)
+        code = self._layers(
+            x.data_ptr(), rows, table.shape[0], table.data_ptr(), hidden, heads, kv_heads,
+            head_dim, intermediate, eps, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+            max_len, segments.shape[0], segments.data_ptr(), window, scale, scratch.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if code == -1:
+            raise ValueError(f"a packed format, or {heads} query heads over {kv_heads} kv heads")
+        if code != 0:
+            raise MemoryError("the decoder-layers kernel could not allocate a buffer")
+        return x
 
 
 def _require(condition: bool, what: str) -> None:
