@@ -34,10 +34,18 @@ class FusedLayers:
     """The layers of one ``DecoderStack`` as a table for the C side."""
 
     def __init__(
-        self, spec: ArchSpec, table: torch.Tensor, max_len: int, kernel: PackedKernel
+        self,
+        spec: ArchSpec,
+        table: torch.Tensor,
+        tensors: list[torch.Tensor],
+        max_len: int,
+        kernel: PackedKernel,
     ) -> None:
         self.spec = spec
         self.table = table  # [layers, LAYER_FIELDS] int64: addresses and formats
+        # What the table points into, held here so that the addresses stay valid
+        # whatever becomes of the blocks and cache lists they came from.
+        self._tensors = tensors
         self.max_len = max_len  # the cache's positions per slot
         self.kernel = kernel
 
@@ -47,28 +55,42 @@ class FusedLayers:
     ) -> FusedLayers | None:
         if kernel is None:
             return None
+        hidden, inner = spec.hidden_size, spec.intermediate_size
+        # The C side sizes every product from these: a layer of other shapes stays in Python.
+        shapes = (
+            (spec.q_size + 2 * spec.kv_size, hidden), (hidden, spec.q_size),
+            (2 * inner, hidden), (hidden, inner),
+        )  # fmt: skip
         rows: list[list[int]] = []
+        tensors: list[torch.Tensor] = []
         for layer, w in enumerate(blocks):
-            products = (w.qkv, w.o_proj, w.gate_up, w.down)
-            if not all(isinstance(p, PackedWeight) for p in products):
-                return None
+            products = [
+                p for p in (w.qkv, w.o_proj, w.gate_up, w.down) if isinstance(p, PackedWeight)
+            ]
+            if [p.shape for p in products] != list(shapes):
+                return None  # dense, or not the spec's shapes
             if w.qkv_bias is not None or w.q_norm is not None or w.k_norm is not None:
                 return None
             norms = (w.attn_norm, w.mlp_norm)
-            if not all(n.dtype == torch.float32 and n.is_contiguous() for n in norms):
+            if not all(
+                n.dtype == torch.float32 and n.device.type == "cpu" and n.is_contiguous()
+                and n.shape == (hidden,)
+                for n in norms
+            ):  # fmt: skip
                 return None
             keys, values = cache.keys[layer], cache.values[layer]
             if not kernel.takes_cache(keys, values, spec.num_kv_heads, spec.head_dim):
                 return None
             row = [w.attn_norm.data_ptr(), w.mlp_norm.data_ptr()]
             for product in products:
-                assert isinstance(product, PackedWeight)
                 row.extend(kernel.weight_fields(product.fmt, product.tiles, product.tile_scales))
+                tensors.extend([product.tiles, product.tile_scales])
             row.extend([keys.data_ptr(), values.data_ptr()])
+            tensors.extend([*norms, keys, values])
             rows.append(row)
         table = torch.tensor(rows, dtype=torch.int64)
         assert table.shape[1] == LAYER_FIELDS
-        return FusedLayers(spec, table, cache.keys[0].shape[2], kernel)
+        return FusedLayers(spec, table, tensors, cache.keys[0].shape[2], kernel)
 
     def run(self, x: torch.Tensor, plan: RowPlan, rope: RopeTable) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden]`` through every layer; returns the new residual."""

@@ -5,7 +5,8 @@
  *
  * Contract: x [rows, hidden] is the residual stream, updated in place. For
  * each layer l, table[l] holds the addresses and formats below (written once
- * by llama.py from tensors it keeps alive); the layer computes
+ * by fused_layers.py, which checks the shapes and holds the tensors); the
+ * layer computes
  *     h = rms_norm(x, attn_norm); qkv = h @ W_qkv^T; rotate q and k;
  *     write k, v to the cache; a = attention(q); x += a @ W_o^T;
  *     h = rms_norm(x, mlp_norm); x += silu_mul(h @ W_gate_up^T) @ W_down^T

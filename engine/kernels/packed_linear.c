@@ -420,9 +420,10 @@ int metrale_packed_linear(
             first = last; /* nothing left for the tiles */
         }
 #endif
-        float *buf = aligned_alloc(64, sizeof(float) * CHUNK_BLOCKS * BLOCK * COLS);
-        float *acc = aligned_alloc(64, sizeof(float) * (size_t)M * COLS);
-        failed = buf == NULL || acc == NULL;
+        const int tiles = first < last; /* the row path may have done it all */
+        float *buf = tiles ? aligned_alloc(64, sizeof(float) * CHUNK_BLOCKS * BLOCK * COLS) : NULL;
+        float *acc = tiles ? aligned_alloc(64, sizeof(float) * (size_t)M * COLS) : NULL;
+        failed = tiles && (buf == NULL || acc == NULL);
         for (int64_t s0 = first, s1; s0 < last && !failed; s0 = s1) {
             const int64_t group = s0 / GROUP, group_end = (group + 1) * GROUP;
             s1 = last < group_end ? last : group_end; /* this thread's strips of the group */
