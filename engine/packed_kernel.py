@@ -169,16 +169,8 @@ class PackedKernel:
         rows, heads, head_dim = x.shape
         _float32_cpu(x, cos, sin)
         _heads_packed(x)
-        _require(
-            cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape
-            and cos.shape[1] == head_dim,
-            "contiguous cos/sin tables of one row per position",
-        )  # fmt: skip
-        _require(
-            positions.dtype == torch.int64 and positions.shape == (rows,)
-            and positions.device.type == "cpu" and positions.is_contiguous(),
-            "one int64 CPU position per row",
-        )  # fmt: skip
+        _rope_tables(cos, sin, head_dim, 0)
+        _positions(positions, rows)
         self._rope(
             x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(), sin.data_ptr(),
             positions.data_ptr(),
@@ -264,16 +256,8 @@ class PackedKernel:
             and table.shape[1] == LAYER_FIELDS,
             f"an int64 layer table [layers, {LAYER_FIELDS}]",
         )  # fmt: skip
-        _require(
-            cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape
-            and cos.shape[1] == head_dim and cos.shape[0] >= max_len,
-            "contiguous cos/sin tables of one row per position",
-        )  # fmt: skip
-        _require(
-            positions.dtype == torch.int64 and positions.shape == (rows,)
-            and positions.device.type == "cpu" and positions.is_contiguous(),
-            "one int64 CPU position per row",
-        )  # fmt: skip
+        _rope_tables(cos, sin, head_dim, max_len)
+        _positions(positions, rows)
         _segment_table(segments)
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         widths = 2 * hidden + q_size + 2 * kv_size + q_size + 3 * intermediate
@@ -315,6 +299,22 @@ def _whole_cache(keys: torch.Tensor, values: torch.Tensor, kv_heads: int, head_d
         keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape
         and keys.shape[1] == kv_heads and keys.shape[3] == head_dim,
         f"whole cache tensors [slots, {kv_heads}, max_len, {head_dim}]",
+    )  # fmt: skip
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, positions: int) -> None:
+    _require(
+        cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape
+        and cos.shape[1] == head_dim and cos.shape[0] >= positions,
+        "contiguous cos/sin tables of one row per position",
+    )  # fmt: skip
+
+
+def _positions(positions: torch.Tensor, rows: int) -> None:
+    _require(
+        positions.dtype == torch.int64 and positions.shape == (rows,)
+        and positions.device.type == "cpu" and positions.is_contiguous(),
+        "one int64 CPU position per row",
     )  # fmt: skip
 
 
