@@ -8,21 +8,21 @@ cast back before the weight), so greedy output matches theirs token for token
 at the same dtype.
 
 All rows of a forward run as one packed batch: one matmul per projection for
-every token of every segment, one attention call for all segments, KV written
-by one index op per layer. On the CPU in float32, forwards whose segments
-all have at most ``KERNEL_ATTENTION_ROWS`` rows (decode and verify steps,
-short prefill chunks) attend in metrale's C kernel (``kernels/attention.c``:
-each segment reads only its own cache length, whatever its neighbours);
-other forwards, and a lone prefill from position 0, use torch's attention on
-segments padded to the longest. The norms, rotary embedding, cache write and
-SwiGLU then run in ``kernels/layer_ops.c`` too; when every layer's products
-are packed (and it has no biases or q/k norms) such a forward goes through
-all layers in one C call (``fused_layers.py``), bit for bit the same. q/k/v
-and gate/up weights are fused at load time so a decode step costs few, large
-ops. Everything runs
+every token of every segment, one attention call for all segments, KV
+written by one index op per layer. On the CPU in float32, forwards whose
+segments all have at most ``KERNEL_ATTENTION_ROWS`` rows (decode and verify
+steps, short prefill chunks) attend in metrale's C kernel
+(``kernels/attention.c``: each segment reads only its own cache length,
+whatever its neighbours); other forwards, and a lone prefill from position
+0, use torch's attention on segments padded to the longest. The norms,
+rotary embedding, cache write and SwiGLU then run in ``kernels/layer_ops.c``
+too; when every layer's products are packed (and it has no biases or q/k
+norms) such a forward goes through all layers in one C call
+(``fused_layers.py``), bit for bit the same. q/k/v and gate/up weights are
+fused at load time so a decode step costs few, large ops. Everything runs
 under ``torch.inference_mode``, so the returned logits and hidden states are
-inference tensors: read them freely, but clone before modifying them in place
-outside inference mode.
+inference tensors: read them freely, but clone before modifying them in
+place outside inference mode.
 """
 
 from __future__ import annotations

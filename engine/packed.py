@@ -76,11 +76,16 @@ class PackedWeight:
         if data.dtype != torch.uint8 or scales.dtype != torch.float32:
             raise ValueError("packed data must be uint8 and scales float32")
         element, per_block, num_scales = _LAYOUT[fmt]
-        rows = data.shape[0]
-        values = data.contiguous().view(element)  # [n, k / 32 * per_block]
-        k = values.shape[1] * _BLOCK // per_block
-        if values.shape[1] % per_block or k % _BLOCK:
+        rows, row_bytes = data.shape
+        k = row_bytes // element.itemsize * _BLOCK // per_block
+        if row_bytes % element.itemsize or row_bytes // element.itemsize % per_block:
             raise ValueError(f"packed weight {fmt} with {k} columns: not a multiple of {_BLOCK}")
+        if scales.shape != (rows, k // _BLOCK * num_scales):
+            raise ValueError(
+                f"packed weight {fmt} [{rows}, {k}]: scales {tuple(scales.shape)}, "
+                f"expected {(rows, k // _BLOCK * num_scales)}"
+            )
+        values = data.contiguous().view(element)  # [n, k / 32 * per_block]
         tiles = _to_tiles(values.reshape(rows, k // _BLOCK, per_block))
         tile_scales = _to_tiles(scales.reshape(rows, k // _BLOCK, num_scales))
         return PackedWeight(fmt, tiles.view(torch.uint8), tile_scales, (rows, k), kernel)
