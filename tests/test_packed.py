@@ -111,10 +111,14 @@ def test_selected_rows_decode_to_those_rows(kernel: PackedKernel, fmt: str) -> N
     assert torch.equal(weight.rows(index).dense(), dense[index])
 
 
-def test_a_width_that_is_not_whole_blocks_is_refused(kernel: PackedKernel) -> None:
+def test_blocks_or_scales_of_the_wrong_size_are_refused(kernel: PackedKernel) -> None:
     with pytest.raises(ValueError, match="40 columns: not a multiple of 32"):
         PackedWeight.from_rows(
             "q8_0", torch.zeros(2, 40, dtype=torch.uint8), torch.ones(2, 1), kernel
+        )
+    with pytest.raises(ValueError, match=r"scales \(2, 1\), expected \(2, 2\)"):
+        PackedWeight.from_rows(
+            "q4_1", torch.zeros(2, 16, dtype=torch.uint8), torch.ones(2, 1), kernel
         )
 
 
