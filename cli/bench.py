@@ -33,6 +33,7 @@ from metrale.cli.bench_view import (
     write_plot,
 )
 from metrale.cli.jsonl import LineDefaults, LineError, LineRef, encode, parse_line
+from metrale.cli.options import load_culprit
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import MTP_MIN_PROB, MtpLadder, RuntimeConfig
 from metrale.lookup import PromptLookupConfig
@@ -154,6 +155,12 @@ def bench(
             "transformers always runs the dense float32 matrices."
         ),
     ] = "auto",
+    mtp_head: Annotated[
+        Path | None,
+        typer.Option(
+            help="MTP head from `metrale train-mtp` to draft with instead of the model's."
+        ),
+    ] = None,
     threads: Annotated[
         int | None,
         typer.Option(min=1, help="torch intra-op threads for both sides (default: torch's)."),
@@ -185,7 +192,7 @@ def bench(
             mtp_min_prob=mtp_min_prob,
         )
         spec = parse_sweep(sweep) if sweep is not None else None
-        runtime = RuntimeConfig(device=device, dtype=dtype, weights=weights)
+        runtime = RuntimeConfig(device=device, dtype=dtype, weights=weights, mtp_head=mtp_head)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if plot is not None:
@@ -254,7 +261,9 @@ def _measure(
     try:
         subjects = load_subjects(model, runtime, max(settings.batch, sweep_batch))
     except (OSError, ValueError) as exc:
-        raise typer.BadParameter(f"cannot load it: {exc}", param_hint="--model") from exc
+        raise typer.BadParameter(
+            f"cannot load it: {exc}", param_hint=load_culprit(exc, runtime.mtp_head)
+        ) from exc
     eos = tuple(subjects.single.eos_token_ids)
     workloads = [
         Workload(

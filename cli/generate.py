@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 
 from metrale.cli.jsonl import LineDefaults
-from metrale.cli.options import OutputOrder, Progress, env, in_range, range_text
+from metrale.cli.options import OutputOrder, Progress, env, in_range, load_culprit, range_text
 from metrale.cli.records import done_ids
 from metrale.cli.run import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Backend, RunPlan, run
 from metrale.engine.api import SamplingParams
@@ -103,6 +103,15 @@ def generate(
     mtp: Annotated[
         bool, _opt("--mtp/--no-mtp", "Draft with the model's MTP layers.", panel=LOOKUP)
     ] = True,
+    mtp_head: Annotated[
+        Path | None,
+        _opt(
+            "--mtp-head",
+            "MTP head written by `metrale train-mtp --out`, drafting for this model instead "
+            "of its own MTP layers (or the default model's shipped head).",
+            panel=LOOKUP,
+        ),
+    ] = None,
     mtp_drafts: Annotated[
         str,
         _opt(
@@ -279,6 +288,7 @@ def generate(
             max_len=max_len,
             mtp=mtp,
             weights=weights,
+            mtp_head=mtp_head,
         )
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
@@ -330,7 +340,9 @@ def _load(
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except (OSError, ValueError) as exc:  # CheckpointError is a ValueError
-        raise typer.BadParameter(f"cannot load it: {exc}", param_hint="--model") from exc
+        raise typer.BadParameter(
+            f"cannot load it: {exc}", param_hint=load_culprit(exc, runtime.mtp_head)
+        ) from exc
 
 
 def _run_into(plan: RunPlan, backend: Backend, console: Console, append: bool) -> int:

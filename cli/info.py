@@ -8,6 +8,7 @@ model that cannot be loaded exits with 2 and the loader's message.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -34,6 +35,9 @@ def info(
         ),
     ] = None,
     mtp: Annotated[bool, typer.Option(help="Load MTP layers when the checkpoint has them.")] = True,
+    mtp_head: Annotated[
+        Path | None, typer.Option(help="MTP head from `metrale train-mtp` to load instead.")
+    ] = None,
     weights: Annotated[
         str, typer.Option(help="auto (packed weights in the CPU kernel when present) or dense.")
     ] = "auto",
@@ -41,7 +45,9 @@ def info(
     """Show a model's architecture, size, MTP layers and KV cost."""
     console = Console()
     try:
-        runtime = RuntimeConfig(device=device, dtype=dtype, num_slots=1, mtp=mtp, weights=weights)
+        runtime = RuntimeConfig(
+            device=device, dtype=dtype, num_slots=1, mtp=mtp, weights=weights, mtp_head=mtp_head
+        )
         from metrale.engine.loader import load_model  # torch loads only when needed
 
         loaded = load_model(model, runtime)

@@ -74,3 +74,11 @@ class Progress(enum.StrEnum):
     live = "live"
     plain = "plain"
     off = "off"
+
+
+def load_culprit(exc: BaseException, mtp_head: object) -> str:
+    """The flag a load error belongs to: ``--mtp-head`` when a head the user
+    named is the problem, else ``--model``."""
+    from metrale.engine.mtp_head import MtpHeadError  # torch is loaded by then
+
+    return "--mtp-head" if mtp_head is not None and isinstance(exc, MtpHeadError) else "--model"

@@ -229,7 +229,7 @@ def run(plan: RunPlan, backend: Backend, out: IO[str], console: Console) -> int:
         figures = run_figures(backend.stats(), counters, wall_s, backend.name, plan.settings)
         figures["interrupted"] = status == EXIT_INTERRUPTED
         plan.stats_json.parent.mkdir(parents=True, exist_ok=True)
-        plan.stats_json.write_bytes(orjson.dumps(figures, option=orjson.OPT_INDENT_2))
+        plan.stats_json.write_bytes(orjson.dumps(figures, default=str, option=orjson.OPT_INDENT_2))
     if status == EXIT_INTERRUPTED:
         console.print(f"metrale: interrupted; {counters.written} lines written")
     if status == EXIT_OK and counters.failed:

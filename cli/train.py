@@ -234,3 +234,5 @@ def run_training(
     if result.heldout_eval is not None:
         STDERR.print(f"final {describe(result.heldout_eval)}")
     STDERR.print(f"wrote {weights} and {card} ({result.steps} steps, {fields['seconds']} s)")
+    model_flag = f" --model {model}" if model is not None else ""
+    STDERR.print(f"draft with it: metrale generate PROMPTS{model_flag} --mtp-head {out}")

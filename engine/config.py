@@ -8,6 +8,7 @@ the model loader takes ``RuntimeConfig``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from metrale.lookup import PromptLookupConfig
 
@@ -114,6 +115,9 @@ class RuntimeConfig:
     that is set. ``mtp=False`` skips loading MTP layers. ``weights="auto"``
     runs the linear weights a folder also holds packed (``packed.py``) in the
     packed-weight kernel when on the CPU in float32; ``"dense"`` never does.
+    ``mtp_head`` is a head written by ``metrale train-mtp`` (its stem, either
+    file, or a folder holding one): it drafts instead of the checkpoint's own
+    MTP layers, or of the head shipped with the default model.
     """
 
     device: str | None = None
@@ -123,6 +127,7 @@ class RuntimeConfig:
     kv_budget_mb: float | None = None
     mtp: bool = True
     weights: str = "auto"
+    mtp_head: Path | None = None
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:

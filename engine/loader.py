@@ -5,7 +5,8 @@ Contract: ``load_model(source, runtime)`` returns a ``LoadedModel`` whose
 positions, plus its MTP modules (each with its own cache of the same shape),
 the tokenizer and the EOS ids. ``source=None`` is the embedded
 SmolLM2-135M-Instruct, paired with the head shipped at
-``engine/heads/smollm2-135m-instruct.{safetensors,json}`` when present.
+``engine/heads/smollm2-135m-instruct.{safetensors,json}`` when present;
+``runtime.mtp_head`` names a trained head to draft with instead, for any model.
 Nothing is fetched from a hub: a source that is not a folder is refused.
 
 ``max_len``: ``runtime.max_len``, else the model's context length; capped so
@@ -29,7 +30,7 @@ from metrale.engine.device import dtype_name, pick_device, pick_dtype
 from metrale.engine.llama import LlamaModel
 from metrale.engine.model import Model, MtpModule
 from metrale.engine.mtp import MtpFound, detect_mtp, load_checkpoint_mtp
-from metrale.engine.mtp_head import head_paths, load_mtp_head
+from metrale.engine.mtp_head import MtpHeadError, head_paths, load_mtp_head
 from metrale.engine.packed import Bf16Source, PackedSource, PackedStore, PackedWeight
 from metrale.engine.packed_kernel import PackedKernel, kernel_problem, packed_kernel
 
@@ -87,7 +88,15 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
     found = detect_mtp(
         checkpoint.raw_config, checkpoint.weights.names(), checkpoint.spec.num_layers
     )
-    if head is not None and found is None and head_paths(head)[0].exists():
+    if runtime.mtp_head is not None:
+        head = runtime.mtp_head.expanduser()
+        if not head_paths(head)[0].exists():
+            raise MtpHeadError(
+                f"MTP head {head}: {head_paths(head)[0]} not found "
+                "(pass what `metrale train-mtp --out` wrote)"
+            )
+        found = MtpFound("head", 1)  # the user's head replaces any other drafter
+    elif head is not None and found is None and head_paths(head)[0].exists():
         found = MtpFound("head", 1)
     if not runtime.mtp:
         found = None

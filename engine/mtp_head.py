@@ -37,13 +37,17 @@ HEAD_VERSION = 1
 DRAFT_VOCAB = "draft_vocab"
 
 
+class MtpHeadError(CheckpointError):
+    """A head file that cannot be used: missing, malformed, or for another model."""
+
+
 def head_paths(path: Path) -> tuple[Path, Path]:
     """``(weights, card)`` for a stem, either file of the pair, or a folder
     holding exactly one pair."""
     if path.is_dir():
         found = sorted(path.glob("*.safetensors"))
         if len(found) != 1:
-            raise CheckpointError(f"{path} should hold exactly one <name>.safetensors MTP head")
+            raise MtpHeadError(f"{path} should hold exactly one <name>.safetensors MTP head")
         path = found[0]
     stem = path.with_suffix("") if path.suffix in (".safetensors", ".json") else path
     return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
@@ -128,10 +132,10 @@ def _check_draft_vocab(vocab: torch.Tensor, vocab_size: int) -> None:
 def read_card(path: Path) -> dict[str, Any]:
     _, card_file = head_paths(path)
     if not card_file.exists():
-        raise CheckpointError(f"MTP head card {card_file} is missing")
+        raise MtpHeadError(f"MTP head card {card_file} is missing")
     card: dict[str, Any] = json.loads(card_file.read_text())
     if card.get("format") != HEAD_FORMAT or card.get("version") != HEAD_VERSION:
-        raise CheckpointError(f"{card_file} is not a {HEAD_FORMAT} v{HEAD_VERSION} card")
+        raise MtpHeadError(f"{card_file} is not a {HEAD_FORMAT} v{HEAD_VERSION} card")
     return card
 
 
@@ -147,7 +151,7 @@ def load_mtp_head(path: Path, model: LlamaModel, kernel: PackedKernel | None = N
         ("vocab_size", spec.vocab_size),
     ):
         if card.get(key) != want:
-            raise CheckpointError(
+            raise MtpHeadError(
                 f"MTP head {weights_file.name} was built for {key}={card.get(key)}, "
                 f"this model has {want} (base model of the head: {card.get('base_model')})"
             )
@@ -176,5 +180,5 @@ def _draft_vocab(store: WeightStore, file: Path, vocab_size: int) -> torch.Tenso
     try:
         _check_draft_vocab(vocab, vocab_size)
     except ValueError as exc:
-        raise CheckpointError(f"MTP head {file.name}: {exc}") from exc
+        raise MtpHeadError(f"MTP head {file.name}: {exc}") from exc
     return vocab

@@ -181,6 +181,8 @@ def test_flags_and_env_vars_build_the_configs(opener: FakeOpener) -> None:
         "8",
         "--shared-scope",
         "team",
+        "--mtp-head",
+        "heads/mine",
     ]
     result = invoke(
         args, input=jsonl([{"prompt": "abcdef"}, {"prompt": "u", "scope": "own"}]), env=env
@@ -189,6 +191,7 @@ def test_flags_and_env_vars_build_the_configs(opener: FakeOpener) -> None:
     model, runtime, engine = opener.calls[0]
     assert model == "/m" and runtime.device == "cpu" and runtime.dtype == "float32"
     assert runtime.num_slots == 4 and not runtime.mtp and not engine.mtp
+    assert runtime.mtp_head == Path("heads/mine")
     assert engine.mtp_ladder.steps == ((4, 2),) and engine.mtp_ladder.beyond == 1
     assert engine.prompt_lookup is not None and engine.prompt_lookup.max_drafts == 16
     assert engine.prompt_lookup.ngram == 5 and engine.shared_lookup.cache_mb == 8

@@ -251,3 +251,19 @@ def test_loader_takes_mtp_unless_turned_off(tmp_path: Path) -> None:
     plain = load_model(path, RuntimeConfig(num_slots=2, max_len=32, mtp=False))
     assert plain.mtp == [] and plain.info.mtp_layout is None
     assert loaded.info.kv_bytes_per_token == plain.info.kv_bytes_per_token * 3 // 2
+
+
+def test_a_named_head_replaces_the_checkpoints_own_layers(tmp_path: Path) -> None:
+    path = write_tiny_checkpoint(tmp_path / "ckpt", "llama", mtp_layout="deepseek")
+    own = load_model(path, RuntimeConfig(num_slots=1, max_len=32))
+    assert own.info.mtp_layout == "deepseek"
+    spec = read_checkpoint(path).spec
+    tensors = random_weights(head_tensor_shapes(spec), seed=2, std=0.1)
+    vocab = torch.arange(0, spec.vocab_size, 2)
+    save_mtp_head(tmp_path / "mine", {**tensors, "draft_vocab": vocab}, spec, base_model="tiny")
+    runtime = RuntimeConfig(num_slots=1, max_len=32, mtp_head=tmp_path / "mine.json")
+    loaded = load_model(path, runtime)
+    assert (loaded.info.mtp_layout, len(loaded.mtp)) == ("head", 1)
+    assert loaded.info.mtp_draft_vocab == vocab.numel()
+    with pytest.raises(CheckpointError, match=r"absent\.safetensors not found"):
+        load_model(path, RuntimeConfig(num_slots=1, max_len=32, mtp_head=tmp_path / "absent"))

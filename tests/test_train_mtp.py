@@ -284,3 +284,23 @@ def test_the_command_writes_a_head_and_card_that_load(tiny: LoadedModel, tmp_pat
     assert head.draft_vocab is not None and head.draft_vocab.numel() == 40
     missing = CliRunner().invoke(app, [*args[:4], "--data", "nope.txt", "--out", str(out)])
     assert missing.exit_code == 2
+    # The head drafts for its model through `generate --mtp-head`, output unchanged.
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "the quick brown fox"}\n{"prompt": "over the lazy"}\n')
+    base = ["generate", str(src), "--model", str(model_dir), "--max-tokens", "12"]
+    base += ["--no-prompt-lookup", "--dtype", "float32"]
+    texts, proposed = {}, {}
+    for name, extra in {"plain": ["--no-mtp"], "head": ["--mtp-head", str(out)]}.items():
+        stats = tmp_path / f"{name}.json"
+        ran = CliRunner().invoke(
+            app, [*base, *extra, "--mtp-min-prob", "0", "--stats-json", str(stats)]
+        )
+        assert ran.exit_code == 0, ran.output
+        texts[name] = [json.loads(line)["text"] for line in ran.stdout.splitlines()]
+        proposed[name] = json.loads(stats.read_text())["mtp"]["proposed"]
+    assert texts["head"] == texts["plain"] and len(texts["plain"]) == 2
+    assert proposed["plain"] == 0 and proposed["head"] > 0
+    wide = {"COLUMNS": "400"}  # the error box would fold the path
+    refused = CliRunner().invoke(app, [*base, "--mtp-head", str(tmp_path / "no")], env=wide)
+    assert refused.exit_code == 2, refused.output
+    assert "--mtp-head" in refused.output and "no.safetensors not found" in refused.output
