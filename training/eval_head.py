@@ -8,7 +8,8 @@ a depth counts only when every earlier draft was accepted, as the engine
 counts it) and mean tokens per verify (which counts the bonus token, so plain
 decoding scores 1.0).
 
-Usage: ``python training/eval_head.py [--max-batch 16] [--json OUT] [FILES...]``
+Usage: ``python training/eval_head.py [--head PATH] [--max-batch 16] [--json OUT] [FILES...]``
+(``--head``: a head written by ``metrale train-mtp`` instead of the shipped one).
 """
 
 from __future__ import annotations
@@ -43,10 +44,15 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--limit", type=int, default=None, help="first N lines of each file")
+    parser.add_argument(
+        "--head", type=Path, default=None, help="head to measure (default: shipped)"
+    )
     args = parser.parse_args()
     files = args.files or [Path("sample_prompts") / f"{w}.jsonl" for w in WORKLOADS]
-    loaded = load_model(None, RuntimeConfig(num_slots=args.max_batch, max_len=1280))
-    assert loaded.info.mtp_layout == "head", "the default model loaded without its shipped head"
+    loaded = load_model(
+        None, RuntimeConfig(num_slots=args.max_batch, max_len=1280, mtp_head=args.head)
+    )
+    assert loaded.info.mtp_layout == "head", "the default model loaded without an MTP head"
     # The head's own acceptance: every draft of a chain of 3, none held back
     # for low confidence (that is the engine's choice, measured by `bench`).
     config = EngineConfig(
