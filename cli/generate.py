@@ -115,7 +115,9 @@ def generate(
     mtp_drafts: Annotated[
         str,
         _opt(
-            "--mtp-drafts", "MTP chain length by batch size: 'running:drafts,...,beyond', or 'N'."
+            "--mtp-drafts",
+            "MTP chain length by batch size: 'running:drafts,...,beyond', or 'N'.",
+            panel=LOOKUP,
         ),
     ] = "8:3,15:2,1",
     mtp_min_prob: Annotated[
@@ -125,6 +127,7 @@ def generate(
             "Stop an MTP chain where the module gives no token this probability (0: full chain).",
             lo=0.0,
             hi=0.99,
+            panel=LOOKUP,
         ),
     ] = MTP_MIN_PROB,
     prompt_lookup: Annotated[
