@@ -187,7 +187,9 @@ def generate_continuations(
     """Greedy answers to ``prompts`` by the frozen model, with their hidden
     states, cached in ``store`` (a JSONL file) and ``store``'s ``.hidden/`` folder.
 
-    Prompts whose id is already stored are not generated again. Prompt lookup
+    Prompts already stored under their id, with the same prompt tokens, are
+    not generated again (an id whose prompt changed is answered anew, and the
+    newer line wins when the store is read). Prompt lookup
     stays on (greedy output is identical, only faster); MTP is off, since the
     head being trained does not exist yet. ``on_done(done, total)`` is called
     after each finished prompt.
@@ -195,7 +197,7 @@ def generate_continuations(
     hidden_dir = store.with_suffix(".hidden")
     cached = dict(_read_store(store, hidden_dir))
     wanted = {p.record_id for p in prompts}
-    missing = {p.record_id: p for p in prompts if p.record_id not in cached}
+    missing = {p.record_id: p for p in prompts if not _answers(cached.get(p.record_id), p)}
     if missing:
         hidden_size = int(loaded.model.forward([Segment(0, 0, [0])], "last").hidden.shape[-1])
         recorder = HiddenRecorder(loaded.model, hidden_size)
@@ -241,6 +243,13 @@ def generate_continuations(
     return [cached[p.record_id] for p in prompts if p.record_id in cached]
 
 
+def _answers(stored: TrainSequence | None, prompt: PromptRecord) -> bool:
+    """Whether ``stored`` is the answer to ``prompt`` (same prompt tokens)."""
+    if stored is None:
+        return False
+    return stored.token_ids[: stored.loss_start] == tuple(prompt.prompt_ids)
+
+
 def _hidden_name(record_id: str) -> str:
     return hashlib.sha256(record_id.encode()).hexdigest()[:24] + ".pt"
 
@@ -259,10 +268,12 @@ def _read_store(store: Path, hidden_dir: Path) -> Iterator[tuple[str, TrainSeque
         if isinstance(saved, torch.Tensor):  # hidden states only
             saved = {"hidden": saved}
         ids = prompt + tuple(record["output_ids"])
-        yield (
-            record["id"],
-            TrainSequence(ids, len(prompt), saved.get("hidden"), saved.get("predicted")),
-        )
+        hidden, predicted = saved.get("hidden"), saved.get("predicted")
+        if hidden is not None and hidden.shape[0] != len(ids) - 1:
+            # The file belongs to a later answer under this id (its prompt was
+            # edited); that answer's line comes later and wins.
+            hidden = predicted = None
+        yield record["id"], TrainSequence(ids, len(prompt), hidden, predicted)
 
 
 def load_sources(

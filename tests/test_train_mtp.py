@@ -4,6 +4,7 @@ and of the head shipped for the default model."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,13 @@ def test_generated_answers_carry_the_hidden_states_a_forward_computes(
         a.hidden is not None and b.hidden is not None and torch.equal(a.hidden, b.hidden)
         for a, b in zip(again, sequences, strict=True)
     )
+    # A prompt edited under the same id is answered anew, not served the old answer.
+    edited = [prompts[0], replace(prompts[1], prompt_ids=prompts[1].prompt_ids[:15]), prompts[2]]
+    anew = generate_continuations(tiny, edited, store, on_done=lambda d, t: calls.append(d))
+    assert len(calls) == 1 and anew[1].loss_start == 15
+    assert anew[1].token_ids[:15] == edited[1].prompt_ids
+    reread = generate_continuations(tiny, edited, store)  # the newer line wins
+    assert [s.token_ids for s in reread] == [s.token_ids for s in anew]
 
 
 @pytest.mark.slow
