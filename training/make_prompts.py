@@ -8,8 +8,13 @@ records, and prose subjects combined from short lists. The model answers these
 prompts itself (``metrale train-mtp`` generates the continuations greedily),
 so the head learns the model's own output distribution.
 
-Usage: ``python training/make_prompts.py OUT.jsonl [--count N] [--seed S]``.
-Deterministic for a given seed and Python standard library.
+With ``--varied`` it writes a second set: open prose of many more forms and
+subjects, and other questions over documentation (the kinds whose answers the
+head guessed worst on held-out prompts).
+
+Usage: ``python training/make_prompts.py OUT.jsonl [--count N] [--seed S] [--varied]``.
+Deterministic for a given seed and Python standard library; the first N
+records of a larger count are the records of count N.
 """
 
 from __future__ import annotations
@@ -226,6 +231,73 @@ WHY = ("why leaves change colour in autumn", "how a bridge stays up", "why we ha
 TOPIC = ("the last day of summer", "a long journey home", "the sound of the sea", "a city at night", "an old photograph", "the first day of school", "a storm at sea", "a quiet Sunday")  # fmt: skip
 
 
+# The "varied" set (``--varied``): open prose of many more forms and subjects,
+# and more questions over documentation, the two kinds whose answers the head
+# found hardest to guess. Its ids start with ``train-v-``.
+VARIED_PROSE = (
+    "Write a short story about {who} who {event}.",
+    "Write a very short story that begins in {place}.",
+    "Tell the story of {thing}.",
+    "Describe {place} in one paragraph.",
+    "Describe {place} from the point of view of {who}.",
+    "Describe {thing} to someone who has never seen one.",
+    "Write a letter from {who} to {whom} about {topic}.",
+    "Write an email from {who} asking {whom} for help with {task}.",
+    "Write a thank-you note from {who} to {whom}.",
+    "Explain to a child {why}.",
+    "Explain in simple words {why}.",
+    "Write a poem about {topic}.",
+    "Write a haiku about {topic}.",
+    "Write a song verse about {topic}.",
+    "Write a short dialogue between {who} and {whom} about {topic}.",
+    "Write a diary entry by {who} on {day}.",
+    "Write a travel journal entry about a day in {place}.",
+    "Write the opening paragraph of a {genre} novel set in {place}.",
+    "Write a short fable about {virtue}, with animals as characters.",
+    "Write a short speech {who} gives at {occasion}.",
+    "Write a toast for {occasion}.",
+    "Write a product description for {thing}.",
+    "Write a short review of {thing}, as a customer would.",
+    "Write a news report about {who} who {event}.",
+    "Give three tips for {task}.",
+    "Give step-by-step instructions for {task}.",
+    "Write a short blog post about {topic}.",
+    "Write an advertisement for {place}.",
+    "Write a postcard from {place} to {whom}.",
+    "Write a bedtime story about {thing}.",
+    "Summarize, in a short paragraph, a day in the life of {who}.",
+    "Write a motivational message for {whom} who is {feeling}.",
+    "Write a short scene where {who} and {whom} wait out a storm.",
+    "Write a short essay on {topic}.",
+    "What would {who} say about {topic}? Answer in a paragraph.",
+)
+VARIED_WHO = ("a tired postman", "a young astronaut", "a river ferryman", "a chess champion", "a nervous chef", "a gardener in her eighties", "a stray dog", "a clockmaker", "a school principal", "a taxi driver", "an apprentice carpenter", "a farmer", "a weather forecaster", "a lonely giant", "a librarian on her last day", "a bus full of tourists", "a kind dragon", "a teenage inventor", "a lighthouse engineer", "a marathon runner", "a market trader", "an owl", "a firefighter", "a new student", "a hotel receptionist", "a painter who lost her sight", "a ship's cook", "a park ranger", "a small robot vacuum", "a retired teacher")  # fmt: skip
+VARIED_WHOM = ("a best friend", "a younger brother", "a teacher", "a future self", "a pen pal abroad", "a grandmother", "a new neighbour", "a team mate", "a stranger on a bench", "a former boss", "a childhood hero", "a cousin")  # fmt: skip
+VARIED_PLACE = ("a village square on market day", "a hospital corridor at midnight", "a ferry in thick fog", "a rooftop garden", "a ski resort in spring", "a busy airport", "a fishing village in winter", "a forest after a fire", "a football stadium before a match", "a science fair", "an empty beach in November", "a wedding reception", "a train yard at dawn", "a street food festival", "an underground cave", "a small zoo", "a space station", "a flooded street", "a quiet monastery", "a harbour during a festival", "a lecture hall", "a mountain village", "a car repair shop", "an orchard at harvest time")  # fmt: skip
+VARIED_THING = ("a wooden chair that was built by hand", "an old radio", "a pair of running shoes", "a violin found in an attic", "a paper boat", "a compass that points home", "a teapot", "a red umbrella", "a snow globe", "a pocket watch", "a kite", "a smartphone", "a hot-air balloon", "a backpack that travelled the world", "a garden gnome", "a typewriter", "an electric scooter", "a loaf of sourdough bread", "a telescope", "a pair of old boots")  # fmt: skip
+VARIED_EVENT = ("builds a boat from scrap", "forgets the way home", "finds a door that was not there yesterday", "teaches a parrot to read", "opens a shop on the moon", "wakes up speaking another language", "loses a race on purpose", "finds a lost puppy", "runs out of fuel in the desert", "discovers a hidden garden", "gets stuck in a lift", "restores an old piano", "saves a town from a flood", "plants the last seed of a rare flower")  # fmt: skip
+VARIED_WHY = ("why the moon changes shape", "how airplanes fly", "why we need sleep", "how a refrigerator keeps food cold", "why ice floats", "how vaccines work", "why cats purr", "how the internet sends messages", "what causes earthquakes", "why plants need sunlight", "how money works", "why some animals hibernate", "how a battery stores energy", "what a volcano is", "why the ocean has tides", "how recycling works")  # fmt: skip
+VARIED_TOPIC = ("friendship", "the city in autumn", "learning a new language", "the smell of rain", "growing up in a small town", "getting lost", "an unfinished bridge", "working at night", "the end of a long winter", "keeping a promise", "moving to a new country", "the first job", "the value of failure", "a garden through the year", "the quiet after a party", "technology in everyday life", "saving money", "healthy habits", "old maps", "music that reminds us of home")  # fmt: skip
+VARIED_TASK = ("planning a picnic", "learning to swim", "keeping houseplants alive", "writing a cover letter", "studying for an exam", "saving energy at home", "training a puppy", "packing for a long trip", "starting to run", "making new friends in a new city", "organizing a small library", "baking bread for the first time", "fixing a flat bicycle tyre", "preparing a short presentation")  # fmt: skip
+VARIED_OCCASION = ("the opening of a new bridge", "a friend's retirement", "a school graduation", "a village harvest festival", "the last day of a summer camp", "a sister's wedding", "the launch of a community garden", "a team's championship win")  # fmt: skip
+VARIED_DAY = ("the first day of a new job", "a day without electricity", "a snowy holiday", "the day of a big exam", "a long ferry journey", "moving day")  # fmt: skip
+VARIED_MISC = {
+    "genre": ("science fiction", "detective", "fantasy", "historical", "comic", "romance"),
+    "virtue": ("honesty", "kindness", "courage", "sharing", "hard work", "humility"),
+    "feeling": ("afraid of failing", "starting over", "feeling homesick", "tired of studying"),
+}
+VARIED_DOC_QUESTIONS = (
+    "What is this function for? Answer in one sentence.",
+    "Which arguments does this take, and what does each one do?",
+    "Write a short example that uses it, in a Python code block.",
+    "Rewrite this documentation as a bulleted list of key points.",
+    "What would a beginner find confusing here? Explain it simply.",
+    "Give a one-line summary suitable for a reference table.",
+    "What happens when the input is empty or invalid, according to the text?",
+    "Turn this documentation into three questions and answers.",
+)
+
+
 def _functions(seed: int) -> list[ast.FunctionDef]:
     lib = Path(sysconfig.get_paths()["stdlib"])
     found: list[ast.FunctionDef] = []
@@ -351,6 +423,59 @@ def prose_prompt(rng: random.Random) -> str:
     )
 
 
+def varied_prose_prompt(rng: random.Random) -> str:
+    slots = {
+        "who": VARIED_WHO,
+        "whom": VARIED_WHOM,
+        "place": VARIED_PLACE,
+        "thing": VARIED_THING,
+        "event": VARIED_EVENT,
+        "why": VARIED_WHY,
+        "topic": VARIED_TOPIC,
+        "task": VARIED_TASK,
+        "occasion": VARIED_OCCASION,
+        "day": VARIED_DAY,
+        **VARIED_MISC,
+    }
+    return rng.choice(VARIED_PROSE).format(**{k: rng.choice(v) for k, v in slots.items()})
+
+
+def build_varied(count: int, seed: int) -> list[dict[str, object]]:
+    """``count`` prompt records of the varied set: prose twice for each
+    question over documentation."""
+    rng = random.Random(seed)
+    documented = iter(_functions(seed + 2))
+    records: list[dict[str, object]] = []
+    seen: set[str] = set()
+    while len(records) < count:
+        kind = "doc" if len(records) % 3 == 2 else "prose"
+        text: str | None
+        if kind == "doc":
+            text = None
+            for node in documented:
+                doc = ast.get_docstring(node)
+                if doc is not None and 200 <= len(doc) <= 1500:
+                    question = rng.choice(VARIED_DOC_QUESTIONS)
+                    text = f"Document ({node.name}, from the Python standard library):"
+                    text += f"\n\n{doc}\n\n{question}"
+                    break
+            if text is None:
+                raise SystemExit(f"the varied set ran out of docstrings at {len(records)}")
+        else:
+            text = varied_prose_prompt(rng)
+        if text in seen:
+            continue
+        seen.add(text)
+        records.append(
+            {
+                "id": f"train-v-{kind}-{len(records):05d}",
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": 192 if kind == "prose" else 128,
+            }
+        )
+    return records
+
+
 def build(count: int, seed: int) -> list[dict[str, object]]:
     """``count`` prompt records, the four kinds in turn (code, json, doc, prose)."""
     rng = random.Random(seed)
@@ -400,10 +525,12 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--count", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--varied", action="store_true", help="the varied prose/doc set")
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    records = (build_varied if args.varied else build)(args.count, args.seed)
     with args.out.open("w") as f:
-        for record in build(args.count, args.seed):
+        for record in records:
             f.write(json.dumps(record) + "\n")
 
 
