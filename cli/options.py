@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import typer
@@ -76,7 +77,7 @@ class Progress(enum.StrEnum):
     off = "off"
 
 
-def load_culprit(exc: BaseException, mtp_head: object) -> str:
+def load_culprit(exc: BaseException, mtp_head: Path | None) -> str:
     """The flag a load error belongs to: ``--mtp-head`` when a head the user
     named is the problem, else ``--model``."""
     from metrale.engine.mtp_head import MtpHeadError  # torch is loaded by then

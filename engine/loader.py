@@ -89,7 +89,7 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
         checkpoint.raw_config, checkpoint.weights.names(), checkpoint.spec.num_layers
     )
     if runtime.mtp_head is not None:
-        head = runtime.mtp_head.expanduser()
+        head = Path(runtime.mtp_head).expanduser()
         if not head_paths(head)[0].exists():
             raise MtpHeadError(
                 f"MTP head {head}: {head_paths(head)[0]} not found "
