@@ -209,6 +209,7 @@ def bench_document(
         "dtype": info.dtype,
         "device": info.device,
         "mtp_layout": info.mtp_layout,
+        "mtp_head": info.mtp_head,
         "settings": dataclasses.asdict(settings),
         "definitions": DEFINITIONS,
         "workloads": [dataclasses.asdict(r) for r in reports],

@@ -59,6 +59,8 @@ def info(
     mtp_text = f"{facts.mtp_layout} x {facts.mtp_count}" if facts.mtp_layout else "none"
     if facts.mtp_draft_vocab is not None:
         mtp_text += f" (drafts from {facts.mtp_draft_vocab:,} tokens)"
+    if facts.mtp_head is not None:
+        mtp_text += f"\n{facts.mtp_head}"
     rows = [
         ("model", facts.name),
         ("architecture", facts.architecture),

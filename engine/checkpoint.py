@@ -122,6 +122,13 @@ class WeightStore:
             tensor: torch.Tensor = handle.get_tensor(name)
         return tensor
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of ``name``, read from the header only."""
+        if name not in self.files:
+            raise CheckpointError(f"weight {name!r} is missing from the checkpoint")
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            return tuple(handle.get_slice(name).get_shape())
+
 
 def read_checkpoint(path: Path) -> Checkpoint:
     config_file = path / "config.json"

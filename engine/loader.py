@@ -55,6 +55,7 @@ class ModelInfo:
     mtp_layout: str | None
     mtp_count: int
     mtp_draft_vocab: int | None  # tokens a standalone head drafts from; None: all
+    mtp_head: str | None  # the standalone head's weights file, when one drafts
     kv_bytes_per_token: int
     load_s: float
 
@@ -88,18 +89,19 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
     found = detect_mtp(
         checkpoint.raw_config, checkpoint.weights.names(), checkpoint.spec.num_layers
     )
-    if runtime.mtp_head is not None:
+    if not runtime.mtp:  # off: not even a named head is read
+        found, head = None, None
+    elif runtime.mtp_head is not None:
         head = Path(runtime.mtp_head).expanduser()
-        if not head_paths(head)[0].exists():
+        weights_file = head_paths(head)[0]
+        if not weights_file.exists():
             raise MtpHeadError(
-                f"MTP head {head}: {head_paths(head)[0]} not found "
+                f"MTP head {head}: {weights_file} not found "
                 "(pass what `metrale train-mtp --out` wrote)"
             )
         found = MtpFound("head", 1)  # the user's head replaces any other drafter
     elif head is not None and found is None and head_paths(head)[0].exists():
         found = MtpFound("head", 1)
-    if not runtime.mtp:
-        found = None
     max_len = choose_max_len(checkpoint.spec, runtime, dtype, 1 + (found.count if found else 0))
     kernel, packed, weights = _packed_source(folder, checkpoint, runtime, device, dtype)
     model = LlamaModel(
@@ -126,6 +128,7 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
         weights=weights,
         mtp_layout=found.layout if found else None,
         mtp_count=len(mtp),
+        mtp_head=str(head_paths(head)[0]) if found and found.layout == "head" and head else None,
         mtp_draft_vocab=next(
             (
                 int(m.draft_vocab.numel())

@@ -47,10 +47,15 @@ def head_paths(path: Path) -> tuple[Path, Path]:
     if path.is_dir():
         found = sorted(path.glob("*.safetensors"))
         if len(found) != 1:
-            raise MtpHeadError(f"{path} should hold exactly one <name>.safetensors MTP head")
+            names = ", ".join(f.name for f in found) or "none"
+            raise MtpHeadError(
+                f"{path} should hold exactly one <name>.safetensors MTP head (found: {names}); "
+                "name the file"
+            )
         path = found[0]
     stem = path.with_suffix("") if path.suffix in (".safetensors", ".json") else path
-    return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+    # Appended, not with_suffix: a stem like "llama-3.2-1b" keeps its ".2-1b".
+    return stem.with_name(stem.name + ".safetensors"), stem.with_name(stem.name + ".json")
 
 
 def head_tensor_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
@@ -133,8 +138,15 @@ def read_card(path: Path) -> dict[str, Any]:
     _, card_file = head_paths(path)
     if not card_file.exists():
         raise MtpHeadError(f"MTP head card {card_file} is missing")
-    card: dict[str, Any] = json.loads(card_file.read_text())
-    if card.get("format") != HEAD_FORMAT or card.get("version") != HEAD_VERSION:
+    try:
+        card: dict[str, Any] = json.loads(card_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise MtpHeadError(f"MTP head card {card_file} cannot be read: {exc}") from exc
+    if (
+        not isinstance(card, dict)
+        or card.get("format") != HEAD_FORMAT
+        or card.get("version") != HEAD_VERSION
+    ):
         raise MtpHeadError(f"{card_file} is not a {HEAD_FORMAT} v{HEAD_VERSION} card")
     return card
 
@@ -155,7 +167,17 @@ def load_mtp_head(path: Path, model: LlamaModel, kernel: PackedKernel | None = N
                 f"MTP head {weights_file.name} was built for {key}={card.get(key)}, "
                 f"this model has {want} (base model of the head: {card.get('base_model')})"
             )
-    store = WeightStore.open_file(weights_file)
+    try:
+        store = WeightStore.open_file(weights_file)
+        for name, shape in head_tensor_shapes(spec).items():
+            got = store.shape(name)
+            if got != shape:
+                # Same width and vocabulary, yet another block (heads, MLP width, biases).
+                raise MtpHeadError(f"{name} has shape {got}, this model needs {shape}")
+    except CheckpointError as exc:
+        raise MtpHeadError(
+            f"MTP head {weights_file}: {exc} (base model of the head: {card.get('base_model')})"
+        ) from exc
     packed = Bf16Source(store, kernel) if kernel else None
 
     def get(name: str) -> torch.Tensor:

@@ -15,7 +15,12 @@ from metrale.engine.llama import LlamaModel
 from metrale.engine.loader import load_model
 from metrale.engine.model import Segment
 from metrale.engine.mtp import MtpFound, MtpLayer, detect_mtp, load_checkpoint_mtp
-from metrale.engine.mtp_head import head_tensor_shapes, load_mtp_head, save_mtp_head
+from metrale.engine.mtp_head import (
+    MtpHeadError,
+    head_tensor_shapes,
+    load_mtp_head,
+    save_mtp_head,
+)
 from tests.checkpoints import load_reference_model, random_weights, write_tiny_checkpoint
 
 # layout -> (family, key prefix of the module's parts, names of (token norm,
@@ -265,5 +270,24 @@ def test_a_named_head_replaces_the_checkpoints_own_layers(tmp_path: Path) -> Non
     loaded = load_model(path, runtime)
     assert (loaded.info.mtp_layout, len(loaded.mtp)) == ("head", 1)
     assert loaded.info.mtp_draft_vocab == vocab.numel()
-    with pytest.raises(CheckpointError, match=r"absent\.safetensors not found"):
+    assert loaded.info.mtp_head == str(tmp_path / "mine.safetensors")
+    with pytest.raises(MtpHeadError, match=r"absent\.safetensors not found"):
         load_model(path, RuntimeConfig(num_slots=1, max_len=32, mtp_head=tmp_path / "absent"))
+    off = RuntimeConfig(num_slots=1, max_len=32, mtp=False, mtp_head=tmp_path / "absent")
+    assert load_model(path, off).mtp == []  # MTP off: the head is not even looked for
+
+
+def test_a_head_of_another_block_shape_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    """Same width and vocabulary, another MLP width: the card check alone would pass."""
+    other = read_checkpoint(write_tiny_checkpoint(tmp_path / "o", "llama", intermediate_size=48))
+    model, _ = build(write_tiny_checkpoint(tmp_path / "m", "llama", mtp_layout="deepseek"))
+    assert other.spec.hidden_size == model.spec.hidden_size
+    assert other.spec.intermediate_size != model.spec.intermediate_size
+    tensors = random_weights(head_tensor_shapes(other.spec), seed=0, std=0.1)
+    save_mtp_head(tmp_path / "llama-3.2-1b", tensors, other.spec, base_model="o")
+    assert (tmp_path / "llama-3.2-1b.safetensors").exists()  # the dotted stem is kept whole
+    with pytest.raises(MtpHeadError, match=r"gate_proj\.weight has shape"):
+        load_mtp_head(tmp_path / "llama-3.2-1b", model)
+    (tmp_path / "llama-3.2-1b.json").write_text("{not json")
+    with pytest.raises(MtpHeadError, match="cannot be read"):
+        load_mtp_head(tmp_path / "llama-3.2-1b", model)

@@ -1,4 +1,4 @@
-"""Held-out figures of the shipped MTP head on the sample workloads.
+"""Held-out figures of an MTP head (default: the shipped one) on the sample workloads.
 
 Runs each ``sample_prompts/*.jsonl`` workload (none of it is training data)
 through the engine with the default model and its shipped head: greedy, prompt
@@ -101,7 +101,8 @@ def main() -> None:
     )
     print(f"{'all':<14} acceptance {overall}  tokens/verify {tokens / max(verifies, 1):.2f}")
     if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        document = {"head": loaded.info.mtp_head, "workloads": report}
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
 
 
 if __name__ == "__main__":
