@@ -33,7 +33,7 @@ from metrale.cli.bench_view import (
     write_plot,
 )
 from metrale.cli.jsonl import LineDefaults, LineError, LineRef, encode, parse_line
-from metrale.cli.options import load_culprit
+from metrale.cli.options import load_error
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import MTP_MIN_PROB, MtpLadder, RuntimeConfig
 from metrale.lookup import PromptLookupConfig
@@ -261,9 +261,7 @@ def _measure(
     try:
         subjects = load_subjects(model, runtime, max(settings.batch, sweep_batch))
     except (OSError, ValueError) as exc:
-        raise typer.BadParameter(
-            f"cannot load it: {exc}", param_hint=load_culprit(exc, runtime.mtp_head)
-        ) from exc
+        raise load_error(exc, runtime.mtp_head) from exc
     eos = tuple(subjects.single.eos_token_ids)
     workloads = [
         Workload(

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 
 from metrale.cli.jsonl import LineDefaults
-from metrale.cli.options import OutputOrder, Progress, env, in_range, load_culprit, range_text
+from metrale.cli.options import OutputOrder, Progress, env, in_range, load_error, range_text
 from metrale.cli.records import done_ids
 from metrale.cli.run import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Backend, RunPlan, run
 from metrale.engine.api import SamplingParams
@@ -343,9 +343,7 @@ def _load(
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except (OSError, ValueError) as exc:  # CheckpointError is a ValueError
-        raise typer.BadParameter(
-            f"cannot load it: {exc}", param_hint=load_culprit(exc, runtime.mtp_head)
-        ) from exc
+        raise load_error(exc, runtime.mtp_head) from exc
 
 
 def _run_into(plan: RunPlan, backend: Backend, console: Console, append: bool) -> int:

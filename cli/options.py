@@ -77,9 +77,13 @@ class Progress(enum.StrEnum):
     off = "off"
 
 
-def load_culprit(exc: BaseException, mtp_head: Path | None) -> str:
-    """The flag a load error belongs to: ``--mtp-head`` when a head the user
-    named is the problem, else ``--model``."""
+def load_error(exc: BaseException, mtp_head: Path | None) -> typer.BadParameter:
+    """A model that could not be loaded, as a usage error on the flag it
+    belongs to: ``--mtp-head`` when a head the user named is the problem,
+    else ``--model``."""
     from metrale.engine.mtp_head import MtpHeadError  # torch is loaded by then
 
-    return "--mtp-head" if mtp_head is not None and isinstance(exc, MtpHeadError) else "--model"
+    culprit = isinstance(exc, MtpHeadError) and mtp_head is not None
+    return typer.BadParameter(
+        f"cannot load it: {exc}", param_hint="--mtp-head" if culprit else "--model"
+    )

@@ -229,12 +229,21 @@ def run(plan: RunPlan, backend: Backend, out: IO[str], console: Console) -> int:
         figures = run_figures(backend.stats(), counters, wall_s, backend.name, plan.settings)
         figures["interrupted"] = status == EXIT_INTERRUPTED
         plan.stats_json.parent.mkdir(parents=True, exist_ok=True)
-        plan.stats_json.write_bytes(orjson.dumps(figures, default=str, option=orjson.OPT_INDENT_2))
+        plan.stats_json.write_bytes(
+            orjson.dumps(figures, default=_path_text, option=orjson.OPT_INDENT_2)
+        )
     if status == EXIT_INTERRUPTED:
         console.print(f"metrale: interrupted; {counters.written} lines written")
     if status == EXIT_OK and counters.failed:
         status = EXIT_FAILED
     return status
+
+
+def _path_text(value: object) -> str:
+    """orjson's fallback for the settings: paths (``--mtp-head``) as text."""
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def run_figures(

@@ -14,6 +14,7 @@ acceptance is printed as training goes. Usage errors exit with 2.
 from __future__ import annotations
 
 import datetime
+import shlex
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -234,5 +235,9 @@ def run_training(
     if result.heldout_eval is not None:
         STDERR.print(f"final {describe(result.heldout_eval)}")
     STDERR.print(f"wrote {weights} and {card} ({result.steps} steps, {fields['seconds']} s)")
-    model_flag = f" --model {model}" if model is not None else ""
-    STDERR.print(f"draft with it: metrale generate PROMPTS{model_flag} --mtp-head {out}")
+    model_flag = f" --model {shlex.quote(model)}" if model is not None else ""
+    STDERR.print(
+        f"draft with it: metrale generate PROMPTS{model_flag} --mtp-head {shlex.quote(str(out))}",
+        highlight=False,
+        markup=False,
+    )
