@@ -198,6 +198,8 @@ def generate_continuations(
     cached = dict(_read_store(store, hidden_dir))
     wanted = {p.record_id for p in prompts}
     missing = {p.record_id: p for p in prompts if not _answers(cached.get(p.record_id), p)}
+    for record_id in missing:  # an answer to an edited prompt is no answer at all
+        cached.pop(record_id, None)
     if missing:
         hidden_size = int(loaded.model.forward([Segment(0, 0, [0])], "last").hidden.shape[-1])
         recorder = HiddenRecorder(loaded.model, hidden_size)

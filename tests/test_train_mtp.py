@@ -228,6 +228,8 @@ def test_generated_answers_carry_the_hidden_states_a_forward_computes(
     assert anew[1].token_ids[:15] == edited[1].prompt_ids
     reread = generate_continuations(tiny, edited, store)  # the newer line wins
     assert [s.token_ids for s in reread] == [s.token_ids for s in anew]
+    assert reread[1].hidden is not None and anew[1].hidden is not None
+    assert torch.equal(reread[1].hidden, anew[1].hidden)
 
 
 @pytest.mark.slow
