@@ -70,21 +70,26 @@ bench-engine: setup
 
 # The MTP head shipped for the embedded SmolLM2-135M-Instruct, from scratch:
 # instruct prompts over standard-library code and docs, JSON and prose
-# (training/make_prompts.py; never the sample_prompts/ files), answered by the
+# (training/make_prompts.py: 2,000 of the four kinds, then 1,200 of more varied
+# prose and doc questions; never the sample_prompts/ files), answered by the
 # model itself, then one head self-distilled on those answers; it drafts from
 # the 8,192 tokens most frequent in them (--draft-vocab). On two CPU cores
 # with the packed-weight kernels the model answers about 50 prompts a minute
-# (1,072 took 21 minutes; about 20 for 919), and training takes about 16
-# minutes; an interrupted run resumes where it stopped. See the card
-# engine/heads/smollm2-135m-instruct.json for what went in.
-MTP_PROMPTS ?= 919
+# (about 65 minutes for the 3,200), and training takes about 50 minutes; an
+# interrupted run resumes where it stopped, and answers already stored are not
+# generated again. See the card engine/heads/smollm2-135m-instruct.json for
+# what went in, and training/README.md.
+MTP_PROMPTS ?= 2000
+MTP_VARIED ?= 1200
 MTP_WORK ?= build/mtp-head
 mtp-head: setup
 	$(PY) training/make_prompts.py $(MTP_WORK)/prompts.jsonl --count $(MTP_PROMPTS) --seed 0
-	nice -n 10 $(VENV)/bin/metrale train-mtp --data $(MTP_WORK)/prompts.jsonl \
+	$(PY) training/make_prompts.py $(MTP_WORK)/varied.jsonl --varied --count $(MTP_VARIED) --seed 0
+	nice -n 10 $(VENV)/bin/metrale train-mtp \
+		--data $(MTP_WORK)/prompts.jsonl --data $(MTP_WORK)/varied.jsonl \
 		--out engine/heads/smollm2-135m-instruct --work-dir $(MTP_WORK)/work \
 		--epochs 6 --batch-tokens 2048 --prompt-weight 0.5 --feature-weight 1.0 \
-		--eval-every 100 --seed 0 --threads 2
+		--eval-every 500 --seed 0 --threads 2
 
 # Held-out figures of the shipped head on sample_prompts/ (MTP only, chain 3).
 mtp-eval: setup
