@@ -355,11 +355,16 @@ def code_prompt(node: ast.FunctionDef, rng: random.Random) -> str | None:
     )
 
 
-def doc_prompt(node: ast.FunctionDef, module_hint: str, rng: random.Random) -> str | None:
+def doc_prompt(
+    node: ast.FunctionDef,
+    module_hint: str,
+    rng: random.Random,
+    questions: tuple[str, ...] = DOC_QUESTIONS,
+) -> str | None:
     doc = ast.get_docstring(node)
     if doc is None or not 200 <= len(doc) <= 1500:
         return None
-    question = rng.choice(DOC_QUESTIONS)
+    question = rng.choice(questions)
     return f"Document ({module_hint}{node.name}, from the Python standard library):\n\n{doc}\n\n{question}"
 
 
@@ -451,14 +456,10 @@ def build_varied(count: int, seed: int) -> list[dict[str, object]]:
         kind = "doc" if len(records) % 3 == 2 else "prose"
         text: str | None
         if kind == "doc":
-            text = None
-            for node in documented:
-                doc = ast.get_docstring(node)
-                if doc is not None and 200 <= len(doc) <= 1500:
-                    question = rng.choice(VARIED_DOC_QUESTIONS)
-                    text = f"Document ({node.name}, from the Python standard library):"
-                    text += f"\n\n{doc}\n\n{question}"
-                    break
+            text = next(
+                (t for n in documented if (t := doc_prompt(n, "", rng, VARIED_DOC_QUESTIONS))),
+                None,
+            )
             if text is None:
                 raise SystemExit(f"the varied set ran out of docstrings at {len(records)}")
         else:
