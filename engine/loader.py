@@ -74,9 +74,9 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
     started = time.perf_counter()
     if source is None:
         folder, name = ensure_default_model(), MODEL_NAME
-        head: Path | None = HEADS_DIR / MODEL_NAME
+        shipped: Path | None = HEADS_DIR / MODEL_NAME
     else:
-        folder, head = Path(source).expanduser(), None
+        folder, shipped = Path(source).expanduser(), None
         if not folder.is_dir():
             raise CheckpointError(
                 f"model {source!r} is not a checkpoint folder (metrale never downloads "
@@ -89,18 +89,10 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
     found = detect_mtp(
         checkpoint.raw_config, checkpoint.weights.names(), checkpoint.spec.num_layers
     )
-    if not runtime.mtp:  # off: not even a named head is read
-        found, head = None, None
-    elif runtime.mtp_head is not None:
-        head = Path(runtime.mtp_head).expanduser()
-        weights_file = head_paths(head)[0]
-        if not weights_file.exists():
-            raise MtpHeadError(
-                f"MTP head {head}: {weights_file} not found "
-                "(pass what `metrale train-mtp --out` wrote)"
-            )
-        found = MtpFound("head", 1)  # the user's head replaces any other drafter
-    elif head is not None and found is None and head_paths(head)[0].exists():
+    head = _drafting_head(runtime, shipped, found)
+    if not runtime.mtp:
+        found = None
+    elif head is not None:
         found = MtpFound("head", 1)
     max_len = choose_max_len(checkpoint.spec, runtime, dtype, 1 + (found.count if found else 0))
     kernel, packed, weights = _packed_source(folder, checkpoint, runtime, device, dtype)
@@ -128,7 +120,7 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
         weights=weights,
         mtp_layout=found.layout if found else None,
         mtp_count=len(mtp),
-        mtp_head=str(head_paths(head)[0]) if found and found.layout == "head" and head else None,
+        mtp_head=str(head) if head is not None else None,
         mtp_draft_vocab=next(
             (
                 int(m.draft_vocab.numel())
@@ -174,6 +166,29 @@ def _stored_dtype(checkpoint: Checkpoint) -> torch.dtype:
     if name not in checkpoint.weights:
         return torch.float32
     return checkpoint.weights.get(name).dtype
+
+
+def _drafting_head(
+    runtime: RuntimeConfig, shipped: Path | None, found: MtpFound | None
+) -> Path | None:
+    """The weights file of the standalone head that drafts: the one the user
+    named (it replaces any other drafter), else the shipped one for a model
+    without MTP layers of its own; ``None`` with MTP off (not even a named
+    head is looked for)."""
+    if not runtime.mtp:
+        return None
+    if runtime.mtp_head is not None:
+        named = Path(runtime.mtp_head).expanduser()
+        weights_file = head_paths(named)[0]
+        if not weights_file.exists():
+            raise MtpHeadError(
+                f"MTP head {named}: {weights_file} not found "
+                "(pass what `metrale train-mtp --out` wrote)"
+            )
+        return weights_file
+    if shipped is not None and found is None and head_paths(shipped)[0].exists():
+        return head_paths(shipped)[0]
+    return None
 
 
 def _load_mtp(
