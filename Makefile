@@ -61,12 +61,12 @@ bench-lookup: setup
 
 # Forward time of metrale's runtime next to transformers' on the default model.
 bench-runtime: setup
-	$(PY) -m metrale.engine.bench_runtime
+	$(PY) -m metrale.engine.bench.runtime
 
 # The batch engine next to transformers' greedy generate (batch 1 and 16, same
 # dtype and threads), and the engine with speculation over without.
 bench-engine: setup
-	$(PY) -m metrale.engine.bench_engine
+	$(PY) -m metrale.engine.bench.engine
 
 # The MTP head shipped for the embedded SmolLM2-135M-Instruct, from scratch:
 # instruct prompts over standard-library code and docs, JSON and prose

@@ -4,7 +4,7 @@ Contract: the command reads each workload (JSONL in either `generate` format;
 default: the sample workloads), tokenizes every line exactly as `generate`
 does (chat template for ``messages``), makes it greedy with ``max_tokens``
 capped at ``--max-tokens`` and stop strings dropped (transformers has no
-equivalent cut), and hands the token ids to ``metrale.engine.bench``. It
+equivalent cut), and hands the token ids to ``metrale.engine.bench.suite``. It
 prints one Rich table per workload (or per workload and sweep), writes
 ``--json`` and ``--plot`` when asked, and exits 0 when every configuration's
 output equals the reference, 1 when one differs (the first differing request
@@ -39,10 +39,10 @@ from metrale.engine.config import MTP_MIN_PROB, MtpLadder, RuntimeConfig
 from metrale.lookup import PromptLookupConfig
 
 if TYPE_CHECKING:
-    from metrale.engine.bench import BenchSettings
-    from metrale.engine.bench_figures import WorkloadReport
-    from metrale.engine.bench_runners import Subjects
-    from metrale.engine.bench_sweep import SweepReport, SweepSpec
+    from metrale.engine.bench.figures import WorkloadReport
+    from metrale.engine.bench.runners import Subjects
+    from metrale.engine.bench.suite import BenchSettings
+    from metrale.engine.bench.sweep import SweepReport, SweepSpec
 
 SAMPLE_DIR = "sample_prompts"
 EXIT_MISMATCH = 1
@@ -173,8 +173,8 @@ def bench(
     ] = None,
 ) -> None:
     """Measure metrale against transformers on the same model, prompts and dtype."""
-    from metrale.engine.bench import BenchSettings
-    from metrale.engine.bench_sweep import parse_sweep
+    from metrale.engine.bench.suite import BenchSettings
+    from metrale.engine.bench.sweep import parse_sweep
 
     try:
         settings = BenchSettings(
@@ -240,9 +240,9 @@ def _measure(
     """Loads both sides with KV slots sized to the workloads, then measures."""
     from transformers import AutoTokenizer
 
-    from metrale.engine.bench import Workload, run_bench
-    from metrale.engine.bench_runners import checkpoint_folder, load_subjects
-    from metrale.engine.bench_sweep import run_sweep
+    from metrale.engine.bench.runners import checkpoint_folder, load_subjects
+    from metrale.engine.bench.suite import Workload, run_bench
+    from metrale.engine.bench.sweep import run_sweep
 
     try:
         folder = checkpoint_folder(model)

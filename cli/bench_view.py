@@ -1,6 +1,6 @@
 """How `metrale bench` shows its figures: Rich tables, failures, JSON, a chart.
 
-Contract: nothing here measures; it renders ``metrale.engine.bench`` and
+Contract: nothing here measures; it renders ``metrale.engine.bench.suite`` and
 ``bench_sweep`` reports. Tables go to the console given (standard output);
 the JSON document holds every figure of the tables plus each run's wall time,
 the settings and the definitions of the figures; the chart (matplotlib, an
@@ -21,10 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from metrale.engine.bench import BenchSettings
-    from metrale.engine.bench_figures import Figures, Mismatch, WorkloadReport
-    from metrale.engine.bench_sweep import SweepReport
-    from metrale.engine.loader import ModelInfo
+    from metrale.engine.bench.figures import Figures, Mismatch, WorkloadReport
+    from metrale.engine.bench.suite import BenchSettings
+    from metrale.engine.bench.sweep import SweepReport
+    from metrale.engine.load.loader import ModelInfo
 
 DASH = "—"
 DEFINITIONS = {

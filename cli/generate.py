@@ -64,8 +64,8 @@ def _opt(
 def open_backend(model: str | None, runtime: RuntimeConfig, engine: EngineConfig) -> Backend:
     """Loads the model and starts its engine (imported here: `--help` and
     usage errors should not wait for torch)."""
-    from metrale.engine.loader import load_model
-    from metrale.engine.scheduler import Engine
+    from metrale.engine.engine import Engine
+    from metrale.engine.load.loader import load_model
 
     loaded = load_model(model, runtime)
     eng = Engine.from_loaded(loaded, engine)

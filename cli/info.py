@@ -48,7 +48,7 @@ def info(
         runtime = RuntimeConfig(
             device=device, dtype=dtype, num_slots=1, mtp=mtp, weights=weights, mtp_head=mtp_head
         )
-        from metrale.engine.loader import load_model  # torch loads only when needed
+        from metrale.engine.load.loader import load_model  # torch loads only when needed
 
         loaded = load_model(model, runtime)
     except (OSError, ValueError) as exc:  # CheckpointError/DefaultModelError are ValueErrors

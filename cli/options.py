@@ -81,7 +81,7 @@ def load_error(exc: BaseException, mtp_head: Path | None) -> typer.BadParameter:
     """A model that could not be loaded, as a usage error on the flag it
     belongs to: ``--mtp-head`` when a head the user named is the problem,
     else ``--model``."""
-    from metrale.engine.mtp_head import MtpHeadError  # torch is loaded by then
+    from metrale.engine.runtime.mtp_head import MtpHeadError  # torch is loaded by then
 
     culprit = isinstance(exc, MtpHeadError) and mtp_head is not None
     return typer.BadParameter(

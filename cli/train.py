@@ -2,8 +2,8 @@
 
 Contract: the command loads the frozen model (never its existing MTP layers),
 reads ``--data`` (text files, JSONL prompts the model answers itself, JSONL
-prompt + completion pairs; see ``metrale.engine.train_data``), trains one head
-with ``metrale.engine.train_mtp`` and writes ``OUT.safetensors`` (bfloat16) +
+prompt + completion pairs; see ``metrale.engine.train.data``), trains one head
+with ``metrale.engine.train.trainer`` and writes ``OUT.safetensors`` (bfloat16) +
 ``OUT.json`` (the card: data, tokens, steps, time, held-out acceptance).
 Generations, cached hidden states and checkpoints live in ``--work-dir``
 (default ``OUT.work``): running the same command again after an interrupt
@@ -31,7 +31,7 @@ from rich.progress import (
 )
 
 from metrale.engine.config import RuntimeConfig
-from metrale.engine.train_mtp import EvalReport, TrainConfig, TrainProgress
+from metrale.engine.train.trainer import EvalReport, TrainConfig, TrainProgress
 
 STDERR = Console(stderr=True)
 
@@ -159,11 +159,11 @@ def run_training(
     config: TrainConfig,
     runtime: RuntimeConfig,
 ) -> None:
-    from metrale.engine.llama import LlamaModel
-    from metrale.engine.loader import load_model
-    from metrale.engine.mtp_head import DRAFT_VOCAB, save_mtp_head
-    from metrale.engine.train_data import load_sources
-    from metrale.engine.train_mtp import draft_vocabulary, train_mtp
+    from metrale.engine.load.loader import load_model
+    from metrale.engine.runtime.llama import LlamaModel
+    from metrale.engine.runtime.mtp_head import DRAFT_VOCAB, save_mtp_head
+    from metrale.engine.train.data import load_sources
+    from metrale.engine.train.trainer import draft_vocabulary, train_mtp
 
     started = time.perf_counter()
     try:

@@ -1,22 +1,42 @@
-"""The batch engine: model runtime, MTP drafter, KV slots, scheduler, verify.
+"""The batch engine: the loop that admits, drafts, verifies and finishes
+requests, over a model runtime and its MTP modules.
 
 Public API: build an ``EngineConfig``, load a model with ``load_model`` (or
 bring any ``Model``), and call ``Engine(...).generate(requests)``.
-``load_model``/``LoadedModel`` are imported on first use, so importing the
-engine does not read the model runtime's modules until they are needed.
+
+Layout by role: the loop and its public types sit here (``engine``, ``api``,
+``config``, ``stats``, ``sequence``, ``sampling``); ``spec/`` holds the draft
+sources and acceptance; ``runtime/`` the model forwards and caches; ``kernels/``
+the C kernels; ``load/`` checkpoints and the default model; ``train/`` and
+``bench/`` are leaves only the CLI imports. Every name below is imported on
+first use, so importing a sub-package (the runtime, say) loads none of the
+loop.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from metrale.engine.api import Request, RequestStats, Result, SamplingParams
-from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.scheduler import Engine
-from metrale.engine.stats import EngineStats
-
 if TYPE_CHECKING:
-    from metrale.engine.loader import LoadedModel, load_model
+    from metrale.engine.api import Request, RequestStats, Result, SamplingParams
+    from metrale.engine.config import EngineConfig, RuntimeConfig
+    from metrale.engine.engine import Engine
+    from metrale.engine.load.loader import LoadedModel, load_model
+    from metrale.engine.stats import EngineStats
+
+_HOMES = {
+    "Engine": "metrale.engine.engine",
+    "EngineConfig": "metrale.engine.config",
+    "EngineStats": "metrale.engine.stats",
+    "LoadedModel": "metrale.engine.load.loader",
+    "Request": "metrale.engine.api",
+    "RequestStats": "metrale.engine.api",
+    "Result": "metrale.engine.api",
+    "RuntimeConfig": "metrale.engine.config",
+    "SamplingParams": "metrale.engine.api",
+    "load_model": "metrale.engine.load.loader",
+}
 
 __all__ = [
     "Engine",
@@ -33,8 +53,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("LoadedModel", "load_model"):
-        from metrale.engine import loader
-
-        return getattr(loader, name)
-    raise AttributeError(f"module 'metrale.engine' has no attribute {name!r}")
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'metrale.engine' has no attribute {name!r}")
+    return getattr(import_module(home), name)

@@ -1,4 +1,4 @@
-"""A controllable fake of ``metrale.engine.model``'s ``Model`` and ``MtpModule``.
+"""A controllable fake of ``metrale.engine.runtime.model``'s ``Model`` and ``MtpModule``.
 
 Contract: ``FakeModel`` is an n-gram language model over a slot KV cache. The
 logits at position ``p`` are a fixed random function of the last ``context``
@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from metrale.engine.model import ForwardOutput, LogitRows, Segment
+from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
 
 MtpMode = Literal["right", "wrong", "noisy", "mixed"]
 

@@ -2,7 +2,7 @@
 tiny checkpoints.
 
 Contract: ``quantize(w, fmt)`` returns ``(data, scales, dense)`` in the
-layout ``metrale.engine.packed`` reads, where ``dense`` is the float32 value
+layout ``metrale.engine.runtime.packed`` reads, where ``dense`` is the float32 value
 gguf's reference dequantizer gives (computed here in torch with the same two
 roundings, independently of the C kernel under test). ``pack_checkpoint``
 rewrites a tiny single-file checkpoint so that its linear weights are those
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from metrale.engine.packed import PACKED_FILE, save_packed
+from metrale.engine.runtime.packed import PACKED_FILE, save_packed
 
 BLOCK = 32
 

@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 from metrale.cli.main import app
 from metrale.engine.api import Request
-from metrale.engine.bench_figures import Figures, Mismatch, WorkloadReport, first_mismatch
-from metrale.engine.bench_runners import MetraleRunner, RunOutcome
-from metrale.engine.bench_sweep import parse_sweep
+from metrale.engine.bench.figures import Figures, Mismatch, WorkloadReport, first_mismatch
+from metrale.engine.bench.runners import MetraleRunner, RunOutcome
+from metrale.engine.bench.sweep import parse_sweep
 from tests.checkpoints import write_tiny_checkpoint
 
 CONFIG_KEYS = {
@@ -256,7 +256,7 @@ def test_only_transformers_own_batched_difference_is_a_note() -> None:
 
 
 def test_workload_requests_are_split_by_batch_size() -> None:
-    from metrale.engine.bench import Workload
+    from metrale.engine.bench.suite import Workload
 
     requests = tuple(Request(str(i), (1, 2)) for i in range(5))
     w = Workload("w", requests)

@@ -10,10 +10,11 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from metrale.cli.main import app
-from metrale.engine.checkpoint import CheckpointError, read_checkpoint
 from metrale.engine.config import RuntimeConfig
-from metrale.engine.loader import choose_max_len, load_model
-from metrale.engine.model import Segment
+from metrale.engine.load.checkpoint import read_checkpoint
+from metrale.engine.load.loader import choose_max_len, load_model
+from metrale.engine.runtime.arch import CheckpointError
+from metrale.engine.runtime.model import Segment
 from tests.checkpoints import EOS_ID, write_tiny_checkpoint
 
 SMALL = RuntimeConfig(num_slots=2, max_len=32)

@@ -7,10 +7,12 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from metrale.engine import copies as copies_module
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, SharedLookupSettings
-from metrale.engine.copies import (
+from metrale.engine.engine import Engine
+from metrale.engine.sequence import SeqState
+from metrale.engine.spec import copies as copies_module
+from metrale.engine.spec.copies import (
     BATCHED_COPY_MAX,
     CopyTaken,
     bucket_copy,
@@ -18,8 +20,6 @@ from metrale.engine.copies import (
     settle_copies,
     take_rounds_with_copies,
 )
-from metrale.engine.scheduler import Engine
-from metrale.engine.sequence import SeqState
 from metrale.lookup import Fallback, LookupStats, PromptLookupConfig, PromptLookupSeq
 from tests.fake_model import FakeModel, FakeMtp, reference_greedy
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from metrale.engine import default_model
 from metrale.engine.config import RuntimeConfig
-from metrale.engine.default_model import DefaultModelError, ensure_default_model
-from metrale.engine.loader import LoadedModel, load_model
-from metrale.engine.model import Segment
+from metrale.engine.load import default_model
+from metrale.engine.load.default_model import DefaultModelError, ensure_default_model
+from metrale.engine.load.loader import LoadedModel, load_model
+from metrale.engine.runtime.model import Segment
 
 PROMPTS = (
     "Write a Python function that reverses a string.",

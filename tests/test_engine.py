@@ -11,9 +11,9 @@ import torch
 
 from metrale.engine.api import Request, Result, SamplingParams
 from metrale.engine.config import EngineConfig, MtpLadder, RuntimeConfig
-from metrale.engine.default_model import ensure_default_model
-from metrale.engine.loader import load_model
-from metrale.engine.scheduler import Engine
+from metrale.engine.engine import Engine
+from metrale.engine.load.default_model import ensure_default_model
+from metrale.engine.load.loader import load_model
 from metrale.engine.stats import EngineStats
 from metrale.lookup import PromptLookupConfig
 from tests.checkpoints import load_reference_model, write_tiny_checkpoint

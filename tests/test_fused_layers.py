@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from metrale.engine.config import RuntimeConfig
-from metrale.engine.llama import DecoderStack, LlamaModel
-from metrale.engine.loader import load_model
-from metrale.engine.model import ForwardOutput, Model, Segment
-from metrale.engine.mtp_head import head_tensor_shapes, load_mtp_head, save_mtp_head
-from metrale.engine.packed_kernel import packed_kernel
+from metrale.engine.kernels.binding import packed_kernel
+from metrale.engine.load.loader import load_model
+from metrale.engine.runtime.llama import DecoderStack, LlamaModel
+from metrale.engine.runtime.model import ForwardOutput, Model, Segment
+from metrale.engine.runtime.mtp_head import head_tensor_shapes, load_mtp_head, save_mtp_head
 from tests.checkpoints import write_tiny_checkpoint
 from tests.packing import pack_checkpoint
 

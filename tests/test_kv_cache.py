@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metrale.engine.kv_cache import SlotKVCache, plan_rows
-from metrale.engine.model import Segment
+from metrale.engine.runtime.kv_cache import SlotKVCache, plan_rows
+from metrale.engine.runtime.model import Segment
 
 CPU = torch.device("cpu")
 

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from metrale.engine.checkpoint import CheckpointError, read_checkpoint
-from metrale.engine.llama import KERNEL_ATTENTION_ROWS, LlamaModel
-from metrale.engine.model import Segment
+from metrale.engine.load.checkpoint import read_checkpoint
+from metrale.engine.runtime.arch import CheckpointError
+from metrale.engine.runtime.llama import KERNEL_ATTENTION_ROWS, LlamaModel
+from metrale.engine.runtime.model import Segment
 from tests.checkpoints import load_reference_model, write_tiny_checkpoint
 
 TOL = 1e-4

@@ -9,13 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from metrale.engine.checkpoint import CheckpointError, read_checkpoint
 from metrale.engine.config import RuntimeConfig
-from metrale.engine.llama import LlamaModel
-from metrale.engine.loader import load_model
-from metrale.engine.model import Segment
-from metrale.engine.mtp import MtpFound, MtpLayer, detect_mtp, load_checkpoint_mtp
-from metrale.engine.mtp_head import (
+from metrale.engine.load.checkpoint import read_checkpoint
+from metrale.engine.load.loader import load_model
+from metrale.engine.runtime.arch import CheckpointError
+from metrale.engine.runtime.llama import LlamaModel
+from metrale.engine.runtime.model import Segment
+from metrale.engine.runtime.mtp import MtpFound, MtpLayer, detect_mtp, load_checkpoint_mtp
+from metrale.engine.runtime.mtp_head import (
     MtpHeadError,
     head_tensor_shapes,
     load_mtp_head,

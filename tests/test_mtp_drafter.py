@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from metrale.engine.api import Request, SamplingParams
-from metrale.engine.model import ForwardOutput, LogitRows, Segment
-from metrale.engine.mtp_drafter import DraftFeed, MtpDrafter
+from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
 from metrale.engine.sequence import SeqState
+from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 
 VOCAB = 8
 PEAKED = torch.tensor([8.0] + [0.0] * (VOCAB - 1))  # top probability ~0.99

@@ -14,11 +14,11 @@ from safetensors.torch import load_file, save_file
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.default_model import _packed_blocks
-from metrale.engine.loader import load_model
-from metrale.engine.packed import PACKED_FILE, PackedStore, PackedWeight, save_packed
-from metrale.engine.packed_kernel import PackedKernel, packed_kernel
-from metrale.engine.scheduler import Engine
+from metrale.engine.engine import Engine
+from metrale.engine.kernels.binding import PackedKernel, packed_kernel
+from metrale.engine.load.default_model import _packed_blocks
+from metrale.engine.load.loader import load_model
+from metrale.engine.runtime.packed import PACKED_FILE, PackedStore, PackedWeight, save_packed
 from metrale.lookup import PromptLookupConfig
 from tests.checkpoints import write_tiny_checkpoint
 from tests.packing import gguf_blocks, pack_checkpoint, quantize

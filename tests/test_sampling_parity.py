@@ -22,8 +22,8 @@ import torch
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, MtpLadder
+from metrale.engine.engine import Engine
 from metrale.engine.sampling import target_probs
-from metrale.engine.scheduler import Engine
 from metrale.engine.stats import EngineStats
 from metrale.lookup import PromptLookupConfig
 from tests.fake_model import FakeModel, FakeMtp

@@ -1,4 +1,4 @@
-"""Properties of MTP head training (``metrale.engine.train_mtp``) on tiny random models,
+"""Properties of MTP head training (``metrale.engine.train.trainer``) on tiny random models,
 and of the head shipped for the default model."""
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ import torch
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.llama import LlamaModel
-from metrale.engine.loader import HEADS_DIR, LoadedModel, load_model
-from metrale.engine.model import Segment
-from metrale.engine.mtp_head import load_mtp_head, save_mtp_head
-from metrale.engine.scheduler import Engine
-from metrale.engine.train_data import (
+from metrale.engine.engine import Engine
+from metrale.engine.load.loader import HEADS_DIR, LoadedModel, load_model
+from metrale.engine.runtime.llama import LlamaModel
+from metrale.engine.runtime.model import Segment
+from metrale.engine.runtime.mtp_head import load_mtp_head, save_mtp_head
+from metrale.engine.train.data import (
     PromptRecord,
     TrainSequence,
     generate_continuations,
     read_jsonl,
     text_sequences,
 )
-from metrale.engine.train_head import TrainableHead
-from metrale.engine.train_mtp import (
+from metrale.engine.train.head import TrainableHead
+from metrale.engine.train.trainer import (
     TrainConfig,
     Trainer,
     cache_sequences,

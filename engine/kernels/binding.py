@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-KERNELS = Path(__file__).parent / "kernels"
+from metrale.engine.load.home import metrale_home
+
+KERNELS = Path(__file__).parent
 SOURCES = tuple(
     KERNELS / name for name in ("packed_linear.c", "attention.c", "layer_ops.c", "decoder_layers.c")
 )
@@ -357,8 +359,6 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    from metrale.engine.default_model import metrale_home  # it imports this module's users
-
     source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode() + _cpu_id()).hexdigest()
     target = metrale_home() / "kernels" / f"metrale-kernels-{key[:16]}.so"

@@ -26,10 +26,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from metrale.engine.checkpoint import ArchSpec
-from metrale.engine.llama import LlamaModel, as_dense, rms_norm
-from metrale.engine.mtp_head import head_tensor_shapes
-from metrale.engine.rope import apply_rope
+from metrale.engine.runtime.arch import ArchSpec
+from metrale.engine.runtime.llama import LlamaModel, as_dense, rms_norm
+from metrale.engine.runtime.mtp_head import head_tensor_shapes
+from metrale.engine.runtime.rope import apply_rope
 
 
 class TrainableHead(torch.nn.Module):

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import safe_open
+from metrale.engine.runtime.arch import ArchSpec, CheckpointError
+from metrale.engine.runtime.weights import WeightStore
 
 # model_type -> the family whose block it uses. MiMo is a Qwen2 base with MTP
 # layers that transformers has no class for.
@@ -31,46 +31,6 @@ FAMILIES = {
 SUPPORTED = "Llama, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, MiMo"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint metrale cannot load; the message says why and what is supported."""
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """The shapes and options of one Llama-family decoder stack."""
-
-    model_type: str
-    family: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    tie_embeddings: bool
-    context_len: int
-    qkv_bias: bool
-    qk_norm: bool
-    sliding_window: int | None
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise CheckpointError(
-                f"num_attention_heads ({self.num_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})"
-            )
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-
 @dataclass(frozen=True)
 class Checkpoint:
     path: Path
@@ -78,56 +38,6 @@ class Checkpoint:
     hf_config: Any  # transformers.PretrainedConfig
     raw_config: dict[str, Any]
     weights: WeightStore
-
-
-class WeightStore:
-    """Names -> safetensors file; tensors are read on demand."""
-
-    def __init__(self, files: dict[str, Path]) -> None:
-        self.files = files
-
-    @classmethod
-    def open_folder(cls, folder: Path) -> WeightStore:
-        """``model.safetensors``, or the shards ``model.safetensors.index.json`` names."""
-        index = folder / "model.safetensors.index.json"
-        single = folder / "model.safetensors"
-        if index.exists():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            return cls({name: folder / file for name, file in weight_map.items()})
-        if single.exists():
-            return cls.open_file(single)
-        raise CheckpointError(
-            f"{folder} has no model.safetensors or model.safetensors.index.json "
-            "(only safetensors weights are read)"
-        )
-
-    @classmethod
-    def open_file(cls, file: Path) -> WeightStore:
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                return cls(dict.fromkeys(handle.keys(), file))
-        except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(f"cannot read {file}: {exc}") from exc
-
-    def names(self) -> list[str]:
-        return sorted(self.files)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.files:
-            raise CheckpointError(f"weight {name!r} is missing from the checkpoint")
-        with safe_open(str(self.files[name]), framework="pt") as handle:
-            tensor: torch.Tensor = handle.get_tensor(name)
-        return tensor
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The stored shape of ``name``, read from the header only."""
-        if name not in self.files:
-            raise CheckpointError(f"weight {name!r} is missing from the checkpoint")
-        with safe_open(str(self.files[name]), framework="pt") as handle:
-            return tuple(handle.get_slice(name).get_shape())
 
 
 def read_checkpoint(path: Path) -> Checkpoint:

@@ -1,6 +1,6 @@
 """Forward time of metrale's runtime next to transformers', same weights, same run.
 
-Usage: ``python -m metrale.engine.bench_runtime [--dtype float32] [--context 1024]
+Usage: ``python -m metrale.engine.bench.runtime [--dtype float32] [--context 1024]
 [--repeats 10] [--model DIR]`` (``make bench-runtime``).
 
 For each row shape ``slots x rows`` (1x1, 1x4, 1x8, 16x1, 16x4) every slot
@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from metrale.engine.config import RuntimeConfig
-from metrale.engine.default_model import ensure_default_model
-from metrale.engine.llama import LlamaModel
-from metrale.engine.loader import load_model
-from metrale.engine.model import Segment
+from metrale.engine.load.default_model import ensure_default_model
+from metrale.engine.load.loader import load_model
+from metrale.engine.runtime.llama import LlamaModel
+from metrale.engine.runtime.model import Segment
 
 SHAPES = ((1, 1), (1, 4), (1, 8), (16, 1), (16, 4))
 

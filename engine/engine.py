@@ -30,22 +30,22 @@ import torch
 
 from metrale.engine.api import Request, Result
 from metrale.engine.config import EngineConfig
-from metrale.engine.copies import (
+from metrale.engine.runtime.model import Model, MtpModule, Segment
+from metrale.engine.sampling import draw, make_generator, target_probs
+from metrale.engine.sequence import Decode, SeqState, error_result
+from metrale.engine.spec.acceptance import accept_greedy, accept_sampled
+from metrale.engine.spec.copies import (
     copy_in_flight,
     drafter_accepted,
     settle_copies,
     take_rounds_with_copies,
 )
-from metrale.engine.model import Model, MtpModule, Segment
-from metrale.engine.mtp_drafter import DraftFeed, MtpDrafter
-from metrale.engine.sampling import draw, make_generator, target_probs
-from metrale.engine.sequence import Decode, SeqState, error_result
+from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 from metrale.engine.stats import EngineStats, RunCounters
-from metrale.engine.verify import accept_greedy, accept_sampled
 from metrale.lookup import LookupStats, ScopeKey, SharedLookup, SharedLookupConfig
 
 if TYPE_CHECKING:
-    from metrale.engine.loader import LoadedModel
+    from metrale.engine.load.loader import LoadedModel
 
 
 # Marks the end of the request stream (``None`` from it means "not yet").

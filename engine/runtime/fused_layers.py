@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from metrale.engine.checkpoint import ArchSpec
-from metrale.engine.kv_cache import RowPlan, SlotKVCache
-from metrale.engine.packed import PackedWeight
-from metrale.engine.packed_kernel import LAYER_FIELDS, PackedKernel
-from metrale.engine.rope import RopeTable
+from metrale.engine.kernels.binding import LAYER_FIELDS, PackedKernel
+from metrale.engine.runtime.arch import ArchSpec
+from metrale.engine.runtime.kv_cache import RowPlan, SlotKVCache
+from metrale.engine.runtime.packed import PackedWeight
+from metrale.engine.runtime.rope import RopeTable
 
 if TYPE_CHECKING:  # llama.py imports this module
-    from metrale.engine.llama import BlockWeights
+    from metrale.engine.runtime.llama import BlockWeights
 
 
 class FusedLayers:

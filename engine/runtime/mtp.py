@@ -41,9 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from metrale.engine.checkpoint import WeightStore
-from metrale.engine.kv_cache import SlotKVCache, plan_rows
-from metrale.engine.llama import (
+from metrale.engine.runtime.kv_cache import SlotKVCache, plan_rows
+from metrale.engine.runtime.llama import (
     BlockWeights,
     DecoderStack,
     LlamaModel,
@@ -52,8 +51,9 @@ from metrale.engine.llama import (
     load_block,
     rms_norm,
 )
-from metrale.engine.model import ForwardOutput, LogitRows, Segment
-from metrale.engine.packed import PackedSource, PackedWeight
+from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
+from metrale.engine.runtime.packed import PackedSource, PackedWeight
+from metrale.engine.runtime.weights import WeightStore
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next", "head")
 _COUNT_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules")

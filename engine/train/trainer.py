@@ -41,8 +41,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from metrale.engine.llama import LlamaModel
-from metrale.engine.train_cache import (
+from metrale.engine.runtime.llama import LlamaModel
+from metrale.engine.train.cache import (
     CachedSequence,
     ProgressFn,
     TrainProgress,
@@ -51,8 +51,8 @@ from metrale.engine.train_cache import (
     num_trained,
     split_heldout,
 )
-from metrale.engine.train_data import TrainSequence
-from metrale.engine.train_head import TrainableHead
+from metrale.engine.train.data import TrainSequence
+from metrale.engine.train.head import TrainableHead
 
 __all__ = [
     "CachedSequence",

@@ -33,11 +33,11 @@ import torch
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig
-from metrale.engine.model import ForwardOutput, LogitRows, Model, Segment
-from metrale.engine.scheduler import Engine
+from metrale.engine.engine import Engine
+from metrale.engine.runtime.model import ForwardOutput, LogitRows, Model, Segment
 
 if TYPE_CHECKING:
-    from metrale.engine.loader import LoadedModel
+    from metrale.engine.load.loader import LoadedModel
 
 DEFAULT_MAX_TOKENS = 256
 

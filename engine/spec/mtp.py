@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale.engine.model import MtpModule, Segment
+from metrale.engine.runtime.model import MtpModule, Segment
 from metrale.engine.sampling import draw, target_probs
 from metrale.engine.sequence import SeqState
 

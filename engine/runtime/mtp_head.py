@@ -26,11 +26,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from metrale.engine.checkpoint import ArchSpec, CheckpointError, WeightStore
-from metrale.engine.llama import LlamaModel, load_block
-from metrale.engine.mtp import MtpLayer, MtpWeights
-from metrale.engine.packed import Bf16Source
-from metrale.engine.packed_kernel import PackedKernel
+from metrale.engine.kernels.binding import PackedKernel
+from metrale.engine.runtime.arch import ArchSpec, CheckpointError
+from metrale.engine.runtime.llama import LlamaModel, load_block
+from metrale.engine.runtime.mtp import MtpLayer, MtpWeights
+from metrale.engine.runtime.packed import Bf16Source
+from metrale.engine.runtime.weights import WeightStore
 
 HEAD_FORMAT = "metrale-mtp-head"
 HEAD_VERSION = 1

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from metrale.engine.api import Request
-from metrale.engine.bench_figures import Figures, Side, WorkloadReport, first_mismatch
-from metrale.engine.bench_memory import PeakMemory, frozen_heap
-from metrale.engine.bench_runners import (
+from metrale.engine.bench.figures import Figures, Side, WorkloadReport, first_mismatch
+from metrale.engine.bench.memory import PeakMemory, frozen_heap
+from metrale.engine.bench.runners import (
     HfRunner,
     MetraleRunner,
     RunOutcome,

@@ -23,18 +23,19 @@ from typing import Any
 
 import torch
 
-from metrale.engine.checkpoint import ArchSpec, Checkpoint, CheckpointError, read_checkpoint
 from metrale.engine.config import RuntimeConfig
-from metrale.engine.default_model import MODEL_NAME, ensure_default_model
-from metrale.engine.device import dtype_name, pick_device, pick_dtype
-from metrale.engine.llama import LlamaModel
-from metrale.engine.model import Model, MtpModule
-from metrale.engine.mtp import MtpFound, detect_mtp, load_checkpoint_mtp
-from metrale.engine.mtp_head import MtpHeadError, head_paths, load_mtp_head
-from metrale.engine.packed import Bf16Source, PackedSource, PackedStore, PackedWeight
-from metrale.engine.packed_kernel import PackedKernel, kernel_problem, packed_kernel
+from metrale.engine.kernels.binding import PackedKernel, kernel_problem, packed_kernel
+from metrale.engine.load.checkpoint import Checkpoint, read_checkpoint
+from metrale.engine.load.default_model import MODEL_NAME, ensure_default_model
+from metrale.engine.runtime.arch import ArchSpec, CheckpointError
+from metrale.engine.runtime.device import dtype_name, pick_device, pick_dtype
+from metrale.engine.runtime.llama import LlamaModel
+from metrale.engine.runtime.model import Model, MtpModule
+from metrale.engine.runtime.mtp import MtpFound, detect_mtp, load_checkpoint_mtp
+from metrale.engine.runtime.mtp_head import MtpHeadError, head_paths, load_mtp_head
+from metrale.engine.runtime.packed import Bf16Source, PackedSource, PackedStore, PackedWeight
 
-HEADS_DIR = Path(__file__).parent / "heads"
+HEADS_DIR = Path(__file__).parents[1] / "heads"
 
 
 @dataclass(frozen=True)

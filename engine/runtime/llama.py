@@ -1,6 +1,6 @@
 """The Llama-family forward over slot-addressed KV cache.
 
-Contract: ``LlamaModel`` implements ``metrale.engine.model.Model`` for Llama,
+Contract: ``LlamaModel`` implements ``metrale.engine.runtime.model.Model`` for Llama,
 SmolLM, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm) and MiMo's Qwen2
 base: RMSNorm, RoPE (``rope.py``), grouped-query attention, SwiGLU, tied or
 untied embeddings. Numerics follow transformers' modules (norms in float32,
@@ -34,13 +34,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from metrale.engine.checkpoint import ArchSpec, WeightStore
-from metrale.engine.fused_layers import FusedLayers
-from metrale.engine.kv_cache import RowPlan, SlotKVCache, plan_rows
-from metrale.engine.model import ForwardOutput, LogitRows, Segment
-from metrale.engine.packed import PackedSource, PackedWeight
-from metrale.engine.packed_kernel import PackedKernel, packed_kernel
-from metrale.engine.rope import RopeTable, apply_rope
+from metrale.engine.kernels.binding import PackedKernel, packed_kernel
+from metrale.engine.runtime.arch import ArchSpec
+from metrale.engine.runtime.fused_layers import FusedLayers
+from metrale.engine.runtime.kv_cache import RowPlan, SlotKVCache, plan_rows
+from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
+from metrale.engine.runtime.packed import PackedSource, PackedWeight
+from metrale.engine.runtime.rope import RopeTable, apply_rope
+from metrale.engine.runtime.weights import WeightStore
 
 # A linear weight: a dense tensor, or packed for the CPU kernel (packed.py).
 Weight = torch.Tensor | PackedWeight

@@ -33,8 +33,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from metrale.engine.checkpoint import WeightStore
-from metrale.engine.packed_kernel import FORMATS, PackedKernel
+from metrale.engine.kernels.binding import FORMATS, PackedKernel
+from metrale.engine.runtime.weights import WeightStore
 
 PACKED_FILE = "packed.safetensors"
 

@@ -1,6 +1,6 @@
 """Benchmark: the engine against transformers' greedy ``generate``, same run.
 
-``python -m metrale.engine.bench_engine`` loads the default model (or
+``python -m metrale.engine.bench.engine`` loads the default model (or
 ``--model FOLDER``) once in metrale's runtime and once in transformers, at the
 same dtype and thread count, and prints ratios measured side by side:
 
@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from metrale.engine.api import Request, SamplingParams
-from metrale.engine.bench_runners import HfRunner
+from metrale.engine.bench.runners import HfRunner
 from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.default_model import ensure_default_model
-from metrale.engine.loader import LoadedModel, load_model
-from metrale.engine.scheduler import Engine
+from metrale.engine.engine import Engine
+from metrale.engine.load.default_model import ensure_default_model
+from metrale.engine.load.loader import LoadedModel, load_model
 from metrale.lookup import PromptLookupConfig
 
 PROMPTS = [
@@ -66,7 +66,7 @@ GROUNDED = (
 def grounded_texts(limit: int) -> list[str]:
     """The first prompts of the shipped code-edit workload (a source checkout),
     else one built-in rewrite prompt."""
-    path = Path(__file__).resolve().parents[1] / "sample_prompts" / "code_edits.jsonl"
+    path = Path(__file__).resolve().parents[2] / "sample_prompts" / "code_edits.jsonl"
     if not path.exists():
         return [GROUNDED]
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -130,7 +130,7 @@ def load_hf(folder: Path, dtype: torch.dtype) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m metrale.engine.bench_engine")
+    parser = argparse.ArgumentParser(prog="python -m metrale.engine.bench.engine")
     parser.add_argument("--model", type=Path, default=None, help="checkpoint folder")
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--batch", type=int, default=16)

@@ -6,7 +6,7 @@ the CPU. Explicit names are validated with a message listing the choices.
 
 Why float32 on the CPU: the build machine (2 cores, AMD EPYC with AVX2 but
 no avx512_bf16, despite what the brief expected) has no native bf16 dot
-product, so oneDNN converts. ``python -m metrale.engine.bench_runtime`` with
+product, so oneDNN converts. ``python -m metrale.engine.bench.runtime`` with
 ``--dtype float32`` and ``--dtype bfloat16`` (1k context, median of 5, same
 busy machine) gave metrale forward times of, float32 vs bfloat16:
 1x1 517 vs 1865 ms, 1x4 1136 vs 2139, 1x8 1991 vs 2565, 16x1 2374 vs 4261,

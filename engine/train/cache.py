@@ -22,9 +22,9 @@ from typing import Literal
 
 import torch
 
-from metrale.engine.llama import LlamaModel
-from metrale.engine.model import Segment
-from metrale.engine.train_data import TrainSequence
+from metrale.engine.runtime.llama import LlamaModel
+from metrale.engine.runtime.model import Segment
+from metrale.engine.train.data import TrainSequence
 
 
 @dataclass

@@ -19,7 +19,10 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from metrale.engine.bench import (
+from metrale.engine.bench.figures import Mismatch, first_mismatch
+from metrale.engine.bench.memory import frozen_heap
+from metrale.engine.bench.runners import MetraleRunner, Subjects
+from metrale.engine.bench.suite import (
     BenchSettings,
     Configuration,
     Progress,
@@ -30,9 +33,6 @@ from metrale.engine.bench import (
     engine_config,
     timed_runs,
 )
-from metrale.engine.bench_figures import Mismatch, first_mismatch
-from metrale.engine.bench_memory import frozen_heap
-from metrale.engine.bench_runners import MetraleRunner, Subjects
 from metrale.engine.config import MtpLadder
 
 SWEEPABLE = (

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metrale.engine.model import Segment
+from metrale.engine.runtime.model import Segment
 
 # Above this a CPU cache is left to the kernel's zero pages (see module doc).
 _LAZY_ZERO_BYTES = 64 << 20

@@ -1,0 +1,2 @@
+"""metrale's C kernels (``*.c``, ``vector_math.h``) and ``binding``, which
+compiles them once and binds their entry points for the runtime."""
