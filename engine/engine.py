@@ -7,9 +7,9 @@ be generated (empty prompt, prompt + ``max_tokens`` beyond the slot length)
 comes back at once as a ``finish_reason == "error"`` result; nothing a request
 holds stops the run.
 
-Each step runs the phases of the design in order: admit/prefill, copies,
-verify, settle, draft, finish. All decoding sequences share one verify forward
-per step; prefill runs in chunks of at most ``prefill_chunk`` tokens per step
+Each step runs six phases in order: admit/prefill, copies, verify, settle,
+draft, finish. All decoding sequences share one verify forward per step;
+prefill runs in chunks of at most ``prefill_chunk`` tokens per step
 in a forward of its own, so running sequences keep decoding while a long
 prompt is read. Output never depends on the drafts: greedy output is plain
 decoding token for token, sampled output is plain sampling in distribution.
@@ -300,8 +300,8 @@ class Engine:
         """Feeds the MTP module every position the verify made final (rows
         ``0..accepted`` of each sequence: ``h`` of ``last_token`` and of each
         accepted draft, with the token after each) and chains the next drafts.
-        The chain's own entries are rewritten whatever was accepted, which is
-        the seed's trim to 0 accepted (see mtp_drafter.py)."""
+        The chain's own entries are rewritten whatever was accepted, as if
+        none of its drafts had been (see ``spec/mtp.py`` for why)."""
         if self._drafter is None:
             return
         running = sum(1 for s in self._decoding if not s.finished)

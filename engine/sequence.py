@@ -1,18 +1,16 @@
 """One running request: its slot, its tokens and its drafts.
 
-Contract (owned by the scheduler, one ``SeqState`` per admitted request):
+Contract (owned by the engine loop, one ``SeqState`` per admitted request):
 
 - ``history`` is prompt + every emitted token. While prefilling, the first
   ``seq_len`` prompt tokens are in the slot's KV cache. Once decoding,
   ``len(history) == seq_len + 1``: every token but the last is in the cache,
   and ``last_token == history[seq_len]`` is the sampled token the next verify
-  feeds first. The prompt-lookup history ``tokens + [last_token]`` of the seed
-  is therefore just ``history``.
+  feeds first. The history prompt lookup matches against, every token the
+  sequence holds including ``last_token``, is therefore just ``history``.
 - ``pending_drafts`` are the drafts the next verify checks after
   ``last_token``; ``pending_probs`` their distributions when the MTP drafter
   sampled them (``None`` for greedy drafts and for copies, which are one-hot).
-- ``grammar`` is a grammar matcher's state; metrale has no grammars yet, so it
-  is always ``None`` in a run, but the copy rules already honour it.
 - A sequence never emits past ``max_tokens``, and never feeds a position at
   or beyond ``max_len``: ``draft_capacity`` bounds every verify by both.
 """
@@ -43,7 +41,6 @@ class SeqState:
     pending_drafts: list[int] = field(default_factory=list)
     pending_probs: torch.Tensor | None = None  # [len(pending_drafts), vocab]
     drafts_declined: bool = False  # the MTP drafter found no draft likely enough
-    grammar: object | None = None
     prompt_lookup: PromptLookupSeq | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     finish_reason: FinishReason | None = None

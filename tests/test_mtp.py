@@ -68,8 +68,10 @@ def build(path: Path, num_slots: int = 2, max_len: int = 64) -> tuple[LlamaModel
 
 
 def reference_mtp(path: Path, layout: str, ids: torch.Tensor) -> torch.Tensor:
-    """Logits ``[len - 1, vocab]`` of the DESIGN.md formula, with transformers'
-    decoder layer, RMSNorm and rotary classes and the checkpoint's raw tensors."""
+    """Logits ``[len - 1, vocab]`` of an MTP module written out from its
+    definition (``h' = block(proj(cat[norm(emb(t+1)), norm(h_t)]))``, then the
+    final norm and the LM head; the concatenation order per layout), with
+    transformers' decoder layer, RMSNorm and rotary classes and the checkpoint's raw tensors."""
     from safetensors.torch import load_file
 
     _family, prefix, (tok_n, hid_n, proj_n, fin_n), hidden_first, offset = LAYOUTS[layout]

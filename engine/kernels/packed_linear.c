@@ -29,7 +29,7 @@
  * rows x 16 outputs multiply against it, each step one broadcast input value
  * and a few weight loads feeding up to twelve fused multiply-adds. A single
  * row skips the buffer: each decoded vector goes straight into its FMA. At
- * every width measured (1 to 2048 rows) this beats decoding the whole weight
+ * every width from one row to a prefill chunk this beats decoding the whole weight
  * to float32 for a BLAS, which writes 4 bytes a value to memory and reads
  * them back, so prefill chunks run here too.
  *

@@ -226,7 +226,7 @@ def choose_max_len(
         if fits < 2:
             raise CheckpointError(
                 f"a KV budget of {runtime.kv_budget_mb} MB holds {fits} positions for "
-                f"{runtime.num_slots} slots; raise the budget or lower --max-batch"
+                f"{runtime.num_slots} slots; raise the budget or use fewer slots"
             )
         max_len = min(max_len, fits)
     return max_len

@@ -4,15 +4,13 @@ Contract: ``pick_device(None)`` is CUDA when available, else the CPU;
 ``pick_dtype(None, device)`` is bfloat16 on CUDA and ``CPU_DEFAULT_DTYPE`` on
 the CPU. Explicit names are validated with a message listing the choices.
 
-Why float32 on the CPU: the build machine (2 cores, AMD EPYC with AVX2 but
-no avx512_bf16, despite what the brief expected) has no native bf16 dot
-product, so oneDNN converts. ``python -m metrale.engine.bench.runtime`` with
-``--dtype float32`` and ``--dtype bfloat16`` (1k context, median of 5, same
-busy machine) gave metrale forward times of, float32 vs bfloat16:
-1x1 517 vs 1865 ms, 1x4 1136 vs 2139, 1x8 1991 vs 2565, 16x1 2374 vs 4261,
-16x4 5038 vs 8532 ms. Only a bare one-row matmul gains from bf16's halved
-weight traffic; everything else loses. float32 also keeps greedy parity with
-transformers' float32 forward exact enough to test token for token.
+Why float32 on the CPU: a CPU without a native bfloat16 dot product (AVX2
+without avx512_bf16, as on the machines this is built on) has oneDNN convert
+every operand, so only a bare one-row matmul gains from bfloat16's halved
+weight traffic and every other forward loses (the README gives the figures of
+``python -m metrale.engine.bench.runtime`` for both dtypes). float32 also
+keeps greedy parity with transformers' float32 forward exact enough to test
+token for token.
 """
 
 from __future__ import annotations

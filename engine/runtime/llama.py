@@ -67,9 +67,8 @@ def as_dense(weight: Weight) -> torch.Tensor:
 
 
 # Up to this many rows, ``w @ x.T`` beats ``x @ w.T`` in float32 on the CPU:
-# the kernel then streams the weight once along its rows (measured 0.5-0.8x
-# the time of F.linear for 1-16 rows on the default model's shapes). In
-# bfloat16 it is slower than F.linear, so it is float32-only.
+# the kernel then streams the weight once along its rows instead of once per
+# tile of rows. In bfloat16 it is slower than F.linear, so it is float32-only.
 SKINNY_ROWS = 16
 
 

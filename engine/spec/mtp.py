@@ -11,11 +11,12 @@ own previous draft at the next position (a chain).
 
 Positions the chain wrote (``L, L+1, ..``) are never kept: they were computed
 from the module's own hidden states, not from ``h``. After a verify that
-advanced the sequence from ``L`` to ``L'``, the scheduler feeds positions
-``L..L'-1`` again from the verify's hidden rows, overwriting the chain's. This
-is the seed's "trimmed as if none were accepted" in every case, which keeps
-the module on the inputs it was trained on; whether the verified drafts were
-the drafter's own only decides which figures count them (see copies.py).
+advanced the sequence from ``L`` to ``L'``, the engine loop feeds positions
+``L..L'-1`` again from the verify's hidden rows, overwriting the chain's. So
+the module is trimmed as if none of its drafts were accepted, in every case,
+which keeps it on the inputs it was trained on (the main model's hidden
+states, never its own); whether the verified drafts were the drafter's own
+only decides which figures count them (see ``copies.py``).
 
 With several MTP modules only the first is driven, applied repeatedly: every
 public layout ships one, and chaining one module needs one cache.
