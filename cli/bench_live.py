@@ -23,6 +23,7 @@ from rich.console import Console
 
 from metrale.cli.live import RunCounters, live_view, render
 from metrale.engine.stats import EngineStats
+from metrale.lookup import CopyCounts, LookupStats
 
 STEPS = 1500
 ROUNDS = 6
@@ -50,9 +51,7 @@ class FakeLoop:
             wall_s=float(i),
             mtp_proposed_by_position=(i, i, i),
             mtp_accepted_by_position=(i // 2, i // 3, i // 4),
-            copies=i // 3,
-            copy_proposed=i,
-            copy_accepted=i // 2,
+            prompt_lookup=LookupStats(total=CopyCounts(i // 3, i, i // 2)),
         )
 
 

@@ -82,7 +82,8 @@ def headline(stats: EngineStats, counters: RunCounters) -> str:
 
 def summary_line(stats: EngineStats, counters: RunCounters) -> str:
     """The non-terminal progress line: headline plus acceptance at a glance."""
-    copies = _rate(stats.copy_accepted, stats.copy_proposed)
+    total = stats.prompt_lookup.total
+    copies = _rate(total.accepted, total.proposed)
     mtp = _rate(stats.mtp_accepted, stats.mtp_proposed)
     return (
         f"metrale: {headline(stats, counters)}, {stats.mean_tokens_per_verify:.2f} tokens/verify, "
@@ -95,18 +96,13 @@ def speculation_table(stats: EngineStats) -> Table:
     table = Table(title="speculation", title_justify="left", expand=False)
     for name in ("source", "copies", "proposed", "accepted", "acceptance"):
         table.add_column(name, justify="left" if name == "source" else "right")
-    own = (
-        stats.copies - stats.shared_copies,
-        stats.copy_proposed - stats.shared_proposed,
-        stats.copy_accepted - stats.shared_accepted,
-    )
-    shared = (stats.shared_copies, stats.shared_proposed, stats.shared_accepted)
-    total = (stats.copies, stats.copy_proposed, stats.copy_accepted)
-    for label, (c, p, a) in (
-        ("prompt lookup: own history", own),
-        ("prompt lookup: shared cache", shared),
-        ("prompt lookup: all", total),
+    lookup = stats.prompt_lookup
+    for label, counts in (
+        ("prompt lookup: own history", lookup.own),
+        ("prompt lookup: shared cache", lookup.shared),
+        ("prompt lookup: all", lookup.total),
     ):
+        c, p, a = counts.copies, counts.proposed, counts.accepted
         table.add_row(label, str(c), str(p), str(a), _rate(a, p))
     by_pos = zip(stats.mtp_proposed_by_position, stats.mtp_accepted_by_position, strict=False)
     for i, (p, a) in enumerate(by_pos):

@@ -15,6 +15,7 @@ Ids in batch records are derived from the line number (``batch_req_7``,
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -118,18 +119,8 @@ def speculation(stats: RequestStats) -> dict[str, Any]:
 def copy_figures(stats: RequestStats | EngineStats) -> dict[str, dict[str, int]]:
     """Prompt-lookup figures, of one request or of the run: ``prompt_lookup``
     counts every copy, ``shared_lookup`` the part the shared cache supplied."""
-    return {
-        "prompt_lookup": {
-            "copies": stats.copies,
-            "proposed": stats.copy_proposed,
-            "accepted": stats.copy_accepted,
-        },
-        "shared_lookup": {
-            "copies": stats.shared_copies,
-            "proposed": stats.shared_proposed,
-            "accepted": stats.shared_accepted,
-        },
-    }
+    lookup = stats.prompt_lookup
+    return {"prompt_lookup": asdict(lookup.total), "shared_lookup": asdict(lookup.shared)}
 
 
 def dumps(record: dict[str, Any]) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from metrale.lookup import LookupStats
+
 FinishReason = Literal["stop", "length", "error"]
 
 
@@ -64,19 +66,15 @@ class RequestStats:
     (accepted drafts plus the bonus token, before any cut at EOS or a stop).
     Mean acceptance length = ``verify_tokens / verifies``; it counts the bonus
     token, so plain decoding scores exactly 1. The first output token comes
-    from the prefill and is in neither figure.
+    from the prefill and is in neither figure. ``prompt_lookup`` counts the
+    request's copies (definitions in ``metrale.lookup.stats``).
     """
 
     verifies: int = 0
     verify_tokens: int = 0
     mtp_proposed: int = 0
     mtp_accepted: int = 0
-    copies: int = 0
-    copy_proposed: int = 0
-    copy_accepted: int = 0
-    shared_copies: int = 0
-    shared_proposed: int = 0
-    shared_accepted: int = 0
+    prompt_lookup: LookupStats = field(default_factory=LookupStats)
 
     @property
     def mean_tokens_per_verify(self) -> float:

@@ -14,9 +14,9 @@ Definitions:
 - MTP ``proposed_by_position[i]``/``accepted_by_position[i]``: drafts at chain
   depth ``i + 1`` that were verified / accepted. A draft is only counted at
   depth ``i + 1`` when it was proposed at all.
-- Prompt lookup ``copies``/``proposed``/``accepted``: copies verified, tokens
-  they proposed, tokens of them accepted; ``shared_*`` the same for copies the
-  cross-request cache supplied (also counted in the own figures).
+- ``prompt_lookup``: copies verified, tokens they proposed, tokens of them
+  accepted, in total and for the copies the cross-request cache supplied
+  (``metrale.lookup.stats`` defines them).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from metrale.lookup import LookupStats
 
 @dataclass(frozen=True)
 class EngineStats:
-    """An immutable snapshot; the engine builds a new one when asked."""
+    """A snapshot; the engine builds a new one when asked and never changes
+    one it handed out (its ``prompt_lookup`` is a copy)."""
 
     requests_total: int = 0
     requests_done: int = 0
@@ -44,12 +45,7 @@ class EngineStats:
     wall_s: float = 0.0
     mtp_proposed_by_position: tuple[int, ...] = ()
     mtp_accepted_by_position: tuple[int, ...] = ()
-    copies: int = 0
-    copy_proposed: int = 0
-    copy_accepted: int = 0
-    shared_copies: int = 0
-    shared_proposed: int = 0
-    shared_accepted: int = 0
+    prompt_lookup: LookupStats = field(default_factory=LookupStats)
     window_histogram: dict[int, int] = field(default_factory=dict)
     seq_verifies: int = 0
     verify_tokens: int = 0
@@ -119,12 +115,7 @@ class RunCounters:
             wall_s=wall_s,
             mtp_proposed_by_position=tuple(self.mtp_proposed_by_position),
             mtp_accepted_by_position=tuple(self.mtp_accepted_by_position),
-            copies=copies.copies,
-            copy_proposed=copies.proposed,
-            copy_accepted=copies.accepted,
-            shared_copies=copies.shared_copies,
-            shared_proposed=copies.shared_proposed,
-            shared_accepted=copies.shared_accepted,
+            prompt_lookup=copies.copy(),
             window_histogram=dict(Counter(windows)),
             seq_verifies=self.seq_verifies,
             verify_tokens=self.verify_tokens,

@@ -308,4 +308,4 @@ class SharedLookup:
 
     def record(self, proposed: int, accepted: int) -> None:
         """Counts one verified copy this cache supplied."""
-        self.stats.record(proposed, accepted)
+        self.stats.observe(proposed, accepted)

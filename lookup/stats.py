@@ -1,16 +1,17 @@
-"""Counters of verified prompt-lookup copies.
+"""Counters of verified prompt-lookup copies: one type, nested wherever copies
+are counted (per request, per run, per shared cache).
 
 Definitions (the same in every report): ``copies`` counts copies that were
 verified (settled), not abandoned ones; ``proposed`` the tokens those copies
 proposed; ``accepted`` the tokens of them the verify accepted, never more than
 proposed. The bonus token a verify always gains is not counted here.
-``shared_*`` count the copies the cross-request cache supplied; they are also
-counted in the own figures.
+``LookupStats.shared`` counts the copies the cross-request cache supplied;
+they are also counted in ``LookupStats.total``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -21,13 +22,21 @@ class CopyCounts:
     proposed: int = 0
     accepted: int = 0
 
-    def record(self, proposed: int, accepted: int) -> None:
+    def observe(self, proposed: int, accepted: int) -> None:
         """Adds one settled copy; ``proposed < 1`` means no copy and is ignored."""
         if proposed < 1:
             return
         self.copies += 1
         self.proposed += proposed
         self.accepted += max(0, min(accepted, proposed))
+
+    def minus(self, other: CopyCounts) -> CopyCounts:
+        """The counts of copies here that are not in ``other`` (a part of these)."""
+        return CopyCounts(
+            self.copies - other.copies,
+            self.proposed - other.proposed,
+            self.accepted - other.accepted,
+        )
 
     @property
     def acceptance_rate(self) -> float:
@@ -37,25 +46,23 @@ class CopyCounts:
 
 @dataclass
 class LookupStats:
-    """Run-wide counters of all copies, and of the shared cache's among them."""
+    """All copies (``total``), the shared cache's among them (``shared``), and
+    so those from the sequence's own history (``own``)."""
 
-    copies: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    shared_copies: int = 0
-    shared_proposed: int = 0
-    shared_accepted: int = 0
+    total: CopyCounts = field(default_factory=CopyCounts)
+    shared: CopyCounts = field(default_factory=CopyCounts)
 
-    def record(self, proposed: int, accepted: int, shared: bool) -> None:
+    def observe(self, proposed: int, accepted: int, shared: bool) -> None:
         """Adds one settled copy (the value ``PromptLookupSeq.settle`` returned
         and the accepted count); ``proposed < 1`` means no copy and is ignored."""
-        if proposed < 1:
-            return
-        accepted = max(0, min(accepted, proposed))
-        self.copies += 1
-        self.proposed += proposed
-        self.accepted += accepted
+        self.total.observe(proposed, accepted)
         if shared:
-            self.shared_copies += 1
-            self.shared_proposed += proposed
-            self.shared_accepted += accepted
+            self.shared.observe(proposed, accepted)
+
+    @property
+    def own(self) -> CopyCounts:
+        return self.total.minus(self.shared)
+
+    def copy(self) -> LookupStats:
+        """An independent copy, for a snapshot that must not move with these."""
+        return LookupStats(replace(self.total), replace(self.shared))

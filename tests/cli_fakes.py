@@ -74,14 +74,14 @@ class FakeEngine:
         stats = RequestStats(
             verifies=max(1, len(out) // 2),
             verify_tokens=len(out),
-            copies=1,
-            copy_proposed=4,
-            copy_accepted=len(out) // 2,
             mtp_proposed=2,
             mtp_accepted=1,
         )
+        stats.prompt_lookup.observe(4, len(out) // 2, shared=False)
         with self._lock:
             s = self._stats
+            lookup = s.prompt_lookup.copy()
+            lookup.observe(4, len(out) // 2, shared=False)
             self._stats = EngineStats(
                 requests_done=s.requests_done + 1,
                 generated_tokens=s.generated_tokens + len(out),
@@ -90,9 +90,7 @@ class FakeEngine:
                 seq_verifies=s.seq_verifies + stats.verifies,
                 verify_tokens=s.verify_tokens + stats.verify_tokens,
                 wall_s=s.wall_s + 0.01,
-                copies=s.copies + 1,
-                copy_proposed=s.copy_proposed + 4,
-                copy_accepted=s.copy_accepted + stats.copy_accepted,
+                prompt_lookup=lookup,
                 mtp_proposed_by_position=(s.mtp_proposed + 2,),
                 mtp_accepted_by_position=(s.mtp_accepted + 1,),
             )

@@ -1,4 +1,5 @@
-"""Prompt-lookup copies in the step: the seed's rules, traced on a fake model."""
+"""Prompt-lookup copies in the step: caps, windows, fallbacks and settling, traced
+on a fake model."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from metrale.engine.spec.copies import (
     settle_copies,
     take_rounds_with_copies,
 )
-from metrale.lookup import Fallback, LookupStats, PromptLookupConfig, PromptLookupSeq
+from metrale.lookup import CopyCounts, Fallback, LookupStats, PromptLookupConfig, PromptLookupSeq
 from tests.fake_model import FakeModel, FakeMtp, reference_greedy
 
 # A history that repeats itself: its last 8 tokens occurred before, followed
@@ -97,7 +98,7 @@ def test_copies_change_the_number_of_verifies_not_the_output(
     on, on_engine = run(FakeModel(counting=counting), prompts, EngineConfig(prompt_lookup=cfg))
     expected = [reference_greedy(FakeModel(counting=counting), p, 40) for p in prompts]
     assert on == off == expected
-    assert on_engine.stats().copy_accepted > 0
+    assert on_engine.stats().prompt_lookup.total.accepted > 0
     assert on_engine.stats().verifies < off_engine.stats().verifies
 
 
@@ -121,7 +122,7 @@ def test_copies_that_are_always_wrong_never_change_the_output(
     outputs, engine = run(FakeModel(), prompts, EngineConfig(prompt_lookup=cfg))
     stats = engine.stats()
     assert outputs == expected
-    assert stats.copies > 0 and stats.copy_accepted == 0
+    assert stats.prompt_lookup.total.copies > 0 and stats.prompt_lookup.total.accepted == 0
     assert stats.mean_tokens_per_verify == 1.0
 
 
@@ -134,7 +135,7 @@ def test_with_nothing_to_match_the_trace_equals_prompt_lookup_off() -> None:
     _, engine = run(
         on_model, prompts, EngineConfig(prompt_lookup=cfg), FakeMtp(on_model, "mixed"), 30
     )
-    assert engine.stats().copies == 0
+    assert engine.stats().prompt_lookup.total.copies == 0
     assert on_model.forwards == off_model.forwards
 
 
@@ -149,7 +150,7 @@ def test_inside_a_batch_a_long_copy_is_cut_to_the_four_row_verify() -> None:
     prompts = [REPEATING, REPEATING[1:]]
     outputs, engine = run(model, prompts, EngineConfig(prompt_lookup=LOOKUP))
     widths = [len(s.token_ids) for fwd in model.forwards[1:] for s in fwd]
-    assert engine.stats().copies > 0
+    assert engine.stats().prompt_lookup.total.copies > 0
     assert max(widths) == 1 + BATCHED_COPY_MAX
     assert outputs == [reference_greedy(FakeModel(counting=True), p, 40) for p in prompts]
 
@@ -174,9 +175,12 @@ def test_a_fully_accepted_copy_still_trims_the_drafter_as_a_full_reject() -> Non
     assert outputs == [reference_greedy(FakeModel(counting=True), REPEATING, 40)]
     # The oracle MTP is never wrong, yet the copies' accepted tokens are not
     # counted as its own: it proposed more than its figures show verified.
-    assert stats.copy_accepted > 0
+    assert stats.prompt_lookup.total.accepted > 0
     assert stats.mtp_accepted == stats.mtp_proposed
-    assert stats.mtp_proposed + stats.copy_proposed == stats.verify_tokens - stats.seq_verifies
+    assert (
+        stats.mtp_proposed + stats.prompt_lookup.total.proposed
+        == stats.verify_tokens - stats.seq_verifies
+    )
     # After every verify the module was fed all verified positions from the
     # main model's hidden states, copy or not: each position holds the true
     # (context, next token), never an entry of its own chain.
@@ -200,14 +204,7 @@ def test_a_batch_wider_than_max_seqs_takes_no_copies() -> None:
     assert all(s.prompt_lookup is None and not s.pending_drafts for s in seqs)
     assert len(take_rounds_with_copies(seqs[:2], cfg, None, 0, mtp_drafting=False)) == 2
     _, engine = run(FakeModel(), [REPEATING[i:] for i in range(3)], EngineConfig(prompt_lookup=cfg))
-    assert engine.stats().copies == 0
-
-
-def test_a_sequence_with_a_grammar_never_takes_a_copy() -> None:
-    seq = decoding_seq(REPEATING)
-    seq.grammar = object()
-    assert take_rounds_with_copies([seq], LOOKUP, None, 0, mtp_drafting=False) == []
-    assert seq.pending_drafts == []
+    assert engine.stats().prompt_lookup.total.copies == 0
 
 
 def test_only_sequences_holding_drafts_take_copies_when_mtp_drafts() -> None:
@@ -262,8 +259,7 @@ def test_settling_reads_accepted_tokens_from_the_seq_len_advance() -> None:
     seq.seq_len += 3  # two drafts accepted, plus the bonus token
     counters = LookupStats()
     settle_copies(took, None, counters)
-    assert (counters.copies, counters.proposed, counters.accepted) == (1, 4, 2)
-    assert (seq.stats.copies, seq.stats.copy_proposed, seq.stats.copy_accepted) == (1, 4, 2)
+    assert counters.total == seq.stats.prompt_lookup.total == CopyCounts(1, 4, 2)
     assert seq.prompt_lookup is not None
     assert seq.prompt_lookup.in_flight == 0 and seq.prompt_lookup.window == 2
 
@@ -273,7 +269,7 @@ def test_a_sequence_that_did_not_advance_settles_as_a_miss() -> None:
     took = take_rounds_with_copies([seq], LOOKUP, None, 0, mtp_drafting=False)
     counters = LookupStats()
     settle_copies(took, None, counters)
-    assert counters.accepted == 0 and counters.copies == 1
+    assert counters.total.accepted == 0 and counters.total.copies == 1
     assert seq.prompt_lookup is not None and seq.prompt_lookup.cooldown == 1
 
 
@@ -295,7 +291,9 @@ def test_an_earlier_request_of_the_same_scope_supplies_a_copy() -> None:
         ]
         results = {r.request_id: list(r.output_ids) for r in engine.generate(requests)}
         assert results["first"] == results["second"] == reference_greedy(FakeModel(), prompt, 30)
-        return engine.stats().shared_copies, [engine.stats().shared_accepted]
+        return engine.stats().prompt_lookup.shared.copies, [
+            engine.stats().prompt_lookup.shared.accepted
+        ]
 
     same, accepted = shared_stats("tenant-a")
     assert same > 0 and accepted[0] > 0

@@ -233,7 +233,9 @@ def test_unsure_mtp_drafts_are_held_back_and_the_sequence_may_copy_instead() -> 
         assert output == reference_greedy(FakeModel(), PROMPTS[int(rid)], 30, eos=(0,))
     assert always.stats().mtp_proposed > 0
     assert never.stats().mtp_proposed == 0
-    assert never.stats().copies > 0 and never.stats().mean_tokens_per_verify > 1.0
+    assert (
+        never.stats().prompt_lookup.total.copies > 0 and never.stats().mean_tokens_per_verify > 1.0
+    )
 
 
 def test_the_mtp_module_is_fed_every_verified_position_from_the_main_model() -> None:
@@ -286,10 +288,14 @@ def test_figures_add_up() -> None:
     stats = engine.stats()
     assert stats.seq_verifies == sum(r.stats.verifies for r in results)
     assert stats.verify_tokens == sum(r.stats.verify_tokens for r in results)
-    assert stats.copies == sum(r.stats.copies for r in results) > 0
+    assert (
+        stats.prompt_lookup.total.copies
+        == sum(r.stats.prompt_lookup.total.copies for r in results)
+        > 0
+    )
     assert stats.mtp_proposed == sum(r.stats.mtp_proposed for r in results) > 0
     assert stats.mtp_accepted == sum(r.stats.mtp_accepted for r in results)
-    accepted = stats.mtp_accepted + stats.copy_accepted
+    accepted = stats.mtp_accepted + stats.prompt_lookup.total.accepted
     assert stats.verify_tokens == stats.seq_verifies + accepted
     assert list(stats.mtp_accepted_by_position) == sorted(
         stats.mtp_accepted_by_position, reverse=True

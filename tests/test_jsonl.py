@@ -183,12 +183,14 @@ def test_a_prompt_that_leaves_no_room_for_max_tokens_is_too_long() -> None:
 
 
 def test_records_keep_the_input_format() -> None:
-    result = Result(
-        "7", 3, (1, 2), "hey", "stop", RequestStats(verifies=1, verify_tokens=2, copies=1)
-    )
+    stats = RequestStats(verifies=1, verify_tokens=2)
+    stats.prompt_lookup.observe(1, 1, shared=False)
+    result = Result("7", 3, (1, 2), "hey", "stop", stats)
     simple = result_record(ok({"id": "q", "prompt": "p", "metadata": {"k": 1}}), result, "m")
     assert simple["id"] == "q" and simple["text"] == "hey" and simple["metadata"] == {"k": 1}
     assert simple["speculation"]["mean_tokens_per_verify"] == 2.0
+    assert simple["speculation"]["prompt_lookup"] == {"copies": 1, "proposed": 1, "accepted": 1}
+    assert simple["speculation"]["shared_lookup"] == {"copies": 0, "proposed": 0, "accepted": 0}
     line = ok({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "p"}})
     batch = result_record(line, result, "m")
     assert batch["custom_id"] == "c" and batch["id"] == "batch_req_7"

@@ -192,7 +192,7 @@ def decode(
     params = SamplingParams(max_tokens=40)
     requests = (Request(str(i), p, params) for i, p in enumerate(prompts))
     results = sorted(engine.generate(requests), key=lambda r: int(r.request_id))
-    return [r.output_ids for r in results], engine.stats().copy_accepted
+    return [r.output_ids for r in results], engine.stats().prompt_lookup.total.accepted
 
 
 def test_a_forward_gives_the_logits_of_torch_layers(tiny: Path) -> None:

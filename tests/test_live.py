@@ -16,6 +16,7 @@ from metrale.cli.live import (
     summary_line,
 )
 from metrale.engine.stats import EngineStats
+from metrale.lookup import CopyCounts, LookupStats
 
 STATS = EngineStats(
     requests_done=3,
@@ -26,12 +27,10 @@ STATS = EngineStats(
     wall_s=10.0,
     mtp_proposed_by_position=(100, 80, 60),
     mtp_accepted_by_position=(50, 20, 6),
-    copies=30,
-    copy_proposed=200,
-    copy_accepted=150,
-    shared_copies=10,
-    shared_proposed=40,
-    shared_accepted=10,
+    prompt_lookup=LookupStats(
+        total=CopyCounts(copies=30, proposed=200, accepted=150),
+        shared=CopyCounts(copies=10, proposed=40, accepted=10),
+    ),
 )
 
 

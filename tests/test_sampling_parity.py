@@ -119,7 +119,7 @@ def test_speculation_preserves_the_sampled_distribution(
     assert chi_square(speculative, exact) < bound
     # Both draft sources were used, and were rejected often enough to matter.
     assert 0 < stats.mtp_accepted < stats.mtp_proposed
-    assert 0 < stats.copy_accepted < stats.copy_proposed
+    assert 0 < stats.prompt_lookup.total.accepted < stats.prompt_lookup.total.proposed
     # The test has power: samples drawn exactly from the same model at
     # temperature 1.0 instead of 0.8 fail it.
     warmer = exact_distribution(SamplingParams(max_tokens=LENGTH, temperature=1.0, top_p=0.95))

@@ -282,9 +282,9 @@ def _figures(
     return replace(
         figures,
         mean_tokens_per_verify=stats.mean_tokens_per_verify,
-        copies=stats.copies,
-        copy_proposed=stats.copy_proposed,
-        copy_accepted=stats.copy_accepted,
+        copies=stats.prompt_lookup.total.copies,
+        copy_proposed=stats.prompt_lookup.total.proposed,
+        copy_accepted=stats.prompt_lookup.total.accepted,
         mtp_acceptance=acceptance,
     )
 

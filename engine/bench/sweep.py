@@ -175,7 +175,9 @@ def _report(
                 tokens_per_s=tps,
                 ratio=tps / peer_tps if peer_tps else 0.0,
                 mean_tokens_per_verify=stats.mean_tokens_per_verify,
-                copy_acceptance=_rate(stats.copy_accepted, stats.copy_proposed),
+                copy_acceptance=_rate(
+                    stats.prompt_lookup.total.accepted, stats.prompt_lookup.total.proposed
+                ),
                 mtp_acceptance=_rate(stats.mtp_accepted, stats.mtp_proposed),
                 mismatch=mismatch,
             )

@@ -1,15 +1,15 @@
 """Prompt-lookup copies inside the step: take them before the verify, settle
 them after.
 
-Owner: the scheduler, which calls ``take_rounds_with_copies`` between the
+Owner: the engine loop (``engine.py``), which calls ``take_rounds_with_copies`` between the
 admit and verify phases and ``settle_copies`` right after the verify.
 
 Invariants:
-- A copy replaces ``pending_drafts`` only for a grammarless sequence that
-  holds drafts, or for any grammarless sequence when no MTP chain is drafted
-  (a model without MTP layers: chain 0, plain prompt-lookup decoding), or
-  whose drafter declined to draft this step (no draft likely enough: chain 0).
-- A copy is never longer than ``--prompt-lookup-max-drafts``, the slot's draft
+- A copy replaces ``pending_drafts`` only for a sequence that holds drafts,
+  or for any sequence when no MTP chain is drafted (a model without MTP
+  layers: chain 0, plain prompt-lookup decoding), or for one whose drafter
+  declined to draft this step (no draft likely enough: chain 0).
+- A copy is never longer than ``PromptLookupConfig.max_drafts``, the slot's draft
   capacity, nor, in a batch of two or more, 3 tokens (a batched verify takes at
   most 4 rows per sequence).
 - Every copy marked in flight by ``take_rounds_with_copies`` is settled by
@@ -92,7 +92,7 @@ def take_rounds_with_copies(
     took: list[CopyTaken] = []
     for seq in seqs:
         declined = seq.drafts_declined and not seq.pending_drafts
-        if seq.grammar is not None or (mtp_drafting and not seq.pending_drafts and not declined):
+        if mtp_drafting and not seq.pending_drafts and not declined:
             continue
         chain = min(len(seq.pending_drafts), ladder_nd)
         slot_cap = min(cfg.max_drafts, seq.draft_capacity(), path_cap)
@@ -141,15 +141,7 @@ def settle_copies(
         accepted = max(seq.seq_len - taken.len_before - 1, 0)
         was_shared = lookup.in_flight_shared
         proposed = lookup.settle(accepted)
-        accepted = min(accepted, proposed)
-        counters.record(proposed, accepted, was_shared)
-        stats = seq.stats
-        stats.copies += 1
-        stats.copy_proposed += proposed
-        stats.copy_accepted += accepted
-        if was_shared:
-            if shared is not None:
-                shared.record(proposed, accepted)
-            stats.shared_copies += 1
-            stats.shared_proposed += proposed
-            stats.shared_accepted += accepted
+        counters.observe(proposed, accepted, was_shared)
+        seq.stats.prompt_lookup.observe(proposed, accepted, was_shared)
+        if was_shared and shared is not None:
+            shared.record(proposed, accepted)
