@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import orjson
 
 from metrale.engine.api import Request, SamplingParams
+from metrale.engine.prompts import Tokenizer, chat_prompt_ids, text_prompt_ids
 
 LineFormat = Literal["simple", "chat", "completion"]
 BATCH_URLS: dict[str, LineFormat] = {
@@ -112,14 +113,6 @@ class LineError:
     message: str
 
 
-class Tokenizer(Protocol):
-    """The slice of a transformers tokenizer this module uses."""
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
-
-
 def parse_line(
     ref: LineRef, raw: bytes, defaults: LineDefaults, fallback: LineFormat = "simple"
 ) -> ParsedLine | LineError:
@@ -148,18 +141,16 @@ def parse_line(
 
 def encode(parsed: ParsedLine, tokenizer: Tokenizer, max_len: int) -> Request | LineError:
     """Tokenizes a parsed line into a Request whose id is the line number
-    (unique within the run, unlike user ids). A prompt that leaves no room for
+    (unique within the run, unlike user ids), the way ``train-mtp`` and the
+    benchmarks do (``metrale.engine.prompts``). A prompt that leaves no room for
     ``max_tokens`` within ``max_len`` positions is an error naming its field
     (the engine would refuse it; here the record can say which line and field)."""
     name = "prompt" if parsed.prompt is not None else "messages"
     try:
         if parsed.prompt is not None:
-            ids = list(tokenizer.encode(parsed.prompt))
+            ids = text_prompt_ids(tokenizer, parsed.prompt)
         else:
-            text = tokenizer.apply_chat_template(
-                list(parsed.messages or ()), tokenize=False, add_generation_prompt=True
-            )
-            ids = list(tokenizer.encode(str(text), add_special_tokens=False))
+            ids = chat_prompt_ids(tokenizer, parsed.messages or ())
     except Exception as exc:  # a chat template may raise anything (jinja)
         return _error(parsed, name, f"cannot tokenize: {exc}")
     if not ids:

@@ -5,9 +5,11 @@ Public API: build an ``EngineConfig``, load a model with ``load_model`` (or
 bring any ``Model``), and call ``Engine(...).generate(requests)``.
 
 Layout by role: the loop and its public types sit here (``engine``, ``api``,
-``config``, ``stats``, ``sequence``, ``sampling``); ``spec/`` holds the draft
-sources and acceptance; ``runtime/`` the model forwards and caches; ``kernels/``
-the C kernels; ``load/`` checkpoints and the default model; ``train/`` and
+``config``, ``stats``, ``sequence``, ``sampling``), with ``prompts``, the one
+way every command turns a prompt or chat messages into ids; ``spec/`` holds
+the draft sources and acceptance; ``runtime/`` the model forwards and caches;
+``kernels/`` the C kernels; ``load/`` checkpoints and the default model;
+``train/`` and
 ``bench/`` are leaves only the CLI imports. Every name below is imported on
 first use, so importing a sub-package (the runtime, say) loads none of the
 loop.

@@ -15,6 +15,7 @@ from metrale.engine.config import RuntimeConfig
 from metrale.engine.load import default_model
 from metrale.engine.load.default_model import DefaultModelError, ensure_default_model
 from metrale.engine.load.loader import LoadedModel, load_model
+from metrale.engine.prompts import user_prompt_ids
 from metrale.engine.runtime.model import Segment
 
 PROMPTS = (
@@ -68,14 +69,6 @@ def loaded() -> Iterator[LoadedModel]:
     torch.set_num_threads(threads)
 
 
-def prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
-    ids: list[int] = tokenizer(rendered, add_special_tokens=False).input_ids
-    return ids
-
-
 @pytest.mark.slow
 def test_conversion_is_cached_and_reused(
     monkeypatch: pytest.MonkeyPatch, loaded: LoadedModel
@@ -99,7 +92,7 @@ def test_greedy_decoding_reproduces_transformers_generate(loaded: LoadedModel) -
     reference = AutoModelForCausalLM.from_pretrained(
         str(ensure_default_model()), dtype=torch.float32
     )
-    prompts = [prompt_ids(loaded.tokenizer, p) for p in PROMPTS]
+    prompts = [list(user_prompt_ids(loaded.tokenizer, p)) for p in PROMPTS]
     model = loaded.model
     first = model.forward([Segment(s, 0, ids) for s, ids in enumerate(prompts)], logits="last")
     outputs = [[int(t)] for t in first.logits.argmax(-1)]

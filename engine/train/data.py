@@ -9,7 +9,9 @@ first position whose draft is trained). Three sources:
   ``max_tokens``): the frozen model answers each prompt itself, greedily, and
   the sequence is prompt + answer with the loss on the answer only. On its own
   greedy output the model's prediction for token ``t+2`` *is* token ``t+2``,
-  so the head learns exactly what verification accepts.
+  so the head learns exactly what verification accepts. Prompts become ids
+  exactly as ``generate`` makes them (``metrale.engine.prompts``): a head
+  trained on other ids would learn to draft after prompts it is never served.
 - **JSONL with a ``completion``** field: taken as written (prompt + completion,
   loss on the completion), so generations can be made once and reused.
 
@@ -34,6 +36,7 @@ import torch
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig
 from metrale.engine.engine import Engine
+from metrale.engine.prompts import Tokenizer, chat_prompt_ids, text_prompt_ids
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Model, Segment
 
 if TYPE_CHECKING:
@@ -143,17 +146,13 @@ def text_sequences(path: Path, tokenizer: Any, window: int) -> list[TrainSequenc
     ]
 
 
-def prompt_ids(record: dict[str, Any], tokenizer: Any) -> tuple[int, ...]:
-    """The token ids a JSONL line asks the model to continue."""
+def prompt_ids(record: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The token ids a JSONL line asks the model to continue: the ids
+    ``generate`` would serve for it, so the head learns to draft after them."""
     if "messages" in record:
-        ids = tokenizer.apply_chat_template(
-            record["messages"], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some versions
-            ids = ids["input_ids"]
-        return tuple(int(i) for i in ids)
+        return chat_prompt_ids(tokenizer, record["messages"])
     if "prompt" in record:
-        return tuple(int(i) for i in tokenizer.encode(record["prompt"]))
+        return text_prompt_ids(tokenizer, record["prompt"])
     raise ValueError("a training JSONL line needs `messages` or `prompt`")
 
 
