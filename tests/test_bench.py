@@ -16,10 +16,12 @@ import torch
 from typer.testing import CliRunner
 
 from metrale.cli.main import app
-from metrale.engine.api import Request
+from metrale.engine.api import Request, SamplingParams
 from metrale.engine.bench.figures import Figures, Mismatch, WorkloadReport, first_mismatch
 from metrale.engine.bench.runners import MetraleRunner, RunOutcome
 from metrale.engine.bench.sweep import parse_sweep
+from metrale.engine.config import EngineConfig, RuntimeConfig
+from metrale.engine.load.loader import load_model
 from tests.checkpoints import write_tiny_checkpoint
 
 CONFIG_KEYS = {
@@ -294,3 +296,20 @@ def test_plot_draws_one_bar_series_per_configuration_with_its_speedups(
     assert (tmp_path / "chart.png").read_bytes() == b"png"
     series = {call.kwargs["label"]: call.args[1] for call in ax.bar.call_args_list}
     assert series == {"metrale, lookup (b1)": [2.5, 1.25]}  # no bar for what never ran
+
+
+def test_a_runner_ignoring_eos_generates_exactly_max_tokens_past_an_eos(
+    plain_checkpoint: Path,
+) -> None:
+    loaded = load_model(plain_checkpoint, RuntimeConfig(device="cpu", num_slots=1, max_len=64))
+    config = EngineConfig(max_batch=1, mtp=False, prompt_lookup=None)
+    prompt = tuple(b"abc abc abc")
+    free = MetraleRunner(loaded, config).run([Request("r", prompt, SamplingParams(max_tokens=9))])
+    greedy = free.outputs["r"]
+    # The request names its own first greedy token as EOS: it would stop at once.
+    stops = SamplingParams(max_tokens=9, eos_token_ids=(greedy[0],))
+    assert MetraleRunner(loaded, config).run([Request("r", prompt, stops)]).outputs["r"] == (
+        greedy[0],
+    )
+    ignoring = MetraleRunner(loaded, config, ignore_eos=True).run([Request("r", prompt, stops)])
+    assert ignoring.outputs["r"] == greedy[:9] and len(greedy) == 9

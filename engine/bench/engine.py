@@ -13,27 +13,37 @@ same dtype and thread count, and prints ratios measured side by side:
    prompts, with the mean tokens per verify (which counts the bonus token).
 
 Every run generates exactly ``--tokens`` tokens per prompt (EOS is ignored on
-both sides), and each figure is the best of ``--repeats`` runs after a warm-up.
-No assertion is made: this prints figures, it does not test.
+both sides: the runners' ``ignore_eos``), prompts are chat-templated as
+``generate`` does it, and each figure is the best of ``--repeats`` runs after a
+warm-up, the two sides of a figure taking turns (``take_turns``). No assertion
+is made: this prints figures, it does not test.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from metrale.engine.api import Request, SamplingParams
-from metrale.engine.bench.runners import HfRunner
+from metrale.engine.bench.runners import (
+    HfRunner,
+    MetraleRunner,
+    Runner,
+    RunOutcome,
+    checkpoint_folder,
+    load_transformers,
+    pad_id,
+)
+from metrale.engine.bench.timing import take_turns
 from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.engine import Engine
-from metrale.engine.load.default_model import ensure_default_model
 from metrale.engine.load.loader import LoadedModel, load_model
+from metrale.engine.prompts import user_prompt_ids
 from metrale.lookup import PromptLookupConfig
 
 PROMPTS = [
@@ -73,60 +83,33 @@ def grounded_texts(limit: int) -> list[str]:
     return [line["messages"][-1]["content"] for line in lines[:limit]]
 
 
-def best_of(repeats: int, *runs: Callable[[], object]) -> list[float]:
-    """Seconds of the fastest of ``repeats`` runs of each of ``runs``, after one
-    warm-up each. The runs alternate, so a machine whose load changes during
-    the benchmark slows every side alike."""
-    for run in runs:
-        run()
-    times: list[list[float]] = [[] for _ in runs]
-    for _ in range(repeats):
-        for run, spent in zip(runs, times, strict=True):
-            started = time.perf_counter()
-            run()
-            spent.append(time.perf_counter() - started)
-    return [min(spent) for spent in times]
-
-
-def chat_ids(tokenizer: Any, text: str) -> list[int]:
-    messages = [{"role": "user", "content": text}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
-
-
-def engine_run(
-    loaded: LoadedModel, config: EngineConfig, prompts: Sequence[Sequence[int]], tokens: int
-) -> Callable[[], Engine]:
-    def run() -> Engine:
-        # No EOS ids: every request generates exactly `tokens` tokens.
-        engine = Engine(loaded.model, None, config, mtp=loaded.mtp)
-        params = SamplingParams(max_tokens=tokens)
-        for _ in engine.generate(Request(str(i), tuple(p), params) for i, p in enumerate(prompts)):
-            pass
-        return engine
-
-    return run
-
-
-def hf_run(
-    model: Any, pad_id: int, prompts: Sequence[Sequence[int]], tokens: int
-) -> Callable[[], object]:
-    """transformers' greedy ``generate`` on all ``prompts`` in one left-padded
-    batch, exactly ``tokens`` new tokens each."""
-    runner = HfRunner(model, pad_id, batch=len(prompts), ignore_eos=True)
+def greedy_requests(prompts: Sequence[Sequence[int]], tokens: int) -> list[Request]:
+    """One request per prompt, ``tokens`` new tokens each (the runners ignore EOS)."""
     params = SamplingParams(max_tokens=tokens)
-    requests = [Request(str(i), tuple(p), params) for i, p in enumerate(prompts)]
-    return lambda: runner.run(requests)
+    return [Request(str(i), tuple(p), params) for i, p in enumerate(prompts)]
 
 
-def load_hf(folder: Path, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
+Side = tuple[Runner, list[Request]]  # a runner and what it decodes
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
-    model.eval()
-    return model
+
+def metrale_side(
+    loaded: LoadedModel, config: EngineConfig, prompts: Sequence[Sequence[int]], tokens: int
+) -> Side:
+    return MetraleRunner(loaded, config, ignore_eos=True), greedy_requests(prompts, tokens)
+
+
+def transformers_side(
+    hf_model: Any, pad: int, prompts: Sequence[Sequence[int]], tokens: int
+) -> Side:
+    """Greedy ``generate`` on all ``prompts`` in one left-padded batch."""
+    runner = HfRunner(hf_model, pad, batch=len(prompts), ignore_eos=True)
+    return runner, greedy_requests(prompts, tokens)
+
+
+def best_of(repeats: int, *sides: Side) -> list[RunOutcome]:
+    """The fastest of ``repeats`` runs of each side, after one warm-up each."""
+    rounds = take_turns([partial(runner.run, requests) for runner, requests in sides], repeats)
+    return [min(outcomes, key=lambda o: o.wall_s) for outcomes in rounds]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -144,10 +127,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         device="cpu", dtype=args.dtype, num_slots=args.batch, max_len=512, mtp=True
     )
     loaded = load_model(args.model, runtime)
-    folder = args.model or ensure_default_model()
-    hf = load_hf(folder, getattr(torch, loaded.info.dtype))
-    pad_id = loaded.tokenizer.pad_token_id or loaded.eos_token_ids[0]
-    prompts = [chat_ids(loaded.tokenizer, t) for t in PROMPTS]
+    hf = load_transformers(checkpoint_folder(args.model), getattr(torch, loaded.info.dtype))
+    metrale = partial(metrale_side, loaded)
+    transformers = partial(transformers_side, hf, pad_id(loaded))
+    prompts = [user_prompt_ids(loaded.tokenizer, t) for t in PROMPTS]
     batch = [prompts[i % len(prompts)] for i in range(args.batch)]
     plain = EngineConfig(max_batch=args.batch, mtp=False, prompt_lookup=None)
     n = args.tokens
@@ -155,15 +138,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"model {loaded.name}, {loaded.info.dtype}, {torch.get_num_threads()} threads, {n} tokens"
     )
 
-    eng1, hf1 = best_of(
-        args.repeats, engine_run(loaded, plain, prompts[:1], n), hf_run(hf, pad_id, prompts[:1], n)
+    eng1, hf1 = (
+        o.wall_s
+        for o in best_of(args.repeats, metrale(plain, prompts[:1], n), transformers(prompts[:1], n))
     )
     print(
         f"batch 1   engine {1e3 * eng1 / n:7.2f} ms/token   transformers {1e3 * hf1 / n:7.2f} "
         f"ms/token   ratio {eng1 / hf1:.2f}x  (goal <= 0.8x)"
     )
-    engb, hfb = best_of(
-        args.repeats, engine_run(loaded, plain, batch, n), hf_run(hf, pad_id, batch, n)
+    engb, hfb = (
+        o.wall_s for o in best_of(args.repeats, metrale(plain, batch, n), transformers(batch, n))
     )
     total = n * len(batch)
     print(
@@ -172,16 +156,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
 
     # One request at a time, as speculative decoding is usually compared.
-    grounded = [chat_ids(loaded.tokenizer, t) for t in grounded_texts(3)]
+    grounded = [user_prompt_ids(loaded.tokenizer, t) for t in grounded_texts(3)]
     lone_plain = EngineConfig(max_batch=1, mtp=False, prompt_lookup=None)
     spec_cfg = EngineConfig(max_batch=1, prompt_lookup=PromptLookupConfig())
-    spec = engine_run(loaded, spec_cfg, grounded, 2 * n)
-    base, spec_s = best_of(args.repeats, engine_run(loaded, lone_plain, grounded, 2 * n), spec)
-    stats = spec().stats()
+    base, spec = best_of(
+        args.repeats, metrale(lone_plain, grounded, 2 * n), metrale(spec_cfg, grounded, 2 * n)
+    )
+    assert spec.stats is not None
     drafts = "prompt lookup + MTP" if loaded.mtp else "prompt lookup"
     print(
-        f"grounded  {drafts}: {base / spec_s:.2f}x the engine without speculation; "
-        f"{stats.mean_tokens_per_verify:.2f} tokens per verify (bonus token included)"
+        f"grounded  {drafts}: {base.wall_s / spec.wall_s:.2f}x the engine without speculation; "
+        f"{spec.stats.mean_tokens_per_verify:.2f} tokens per verify (bonus token included)"
     )
 
 

@@ -1,4 +1,4 @@
-"""The two sides of `metrale bench`: transformers ``generate`` and metrale's engine.
+"""The two sides of every benchmark: transformers ``generate`` and metrale's engine.
 
 Contract: a runner takes greedy ``Request``s (token ids, ``max_tokens``, EOS
 ids) and returns every request's output ids, the wall time of the whole run
@@ -8,10 +8,12 @@ including the first EOS, at most ``max_tokens`` of them; padding is never
 counted. Both sides see exactly the same prompt ids, the same checkpoint
 folder and the same dtype; neither sees text.
 
-``Subjects`` loads what a bench compares once: the transformers model from
-the checkpoint folder (the embedded default's converted cache folder when no
-folder is given) and metrale's runtime at batch 1 and at the batch size under
-test (separate runtimes, so the batch-1 figures do not carry 16 KV slots).
+``load_transformers`` is the one place a benchmark loads the transformers
+model: from a checkpoint folder (``checkpoint_folder``: the embedded
+default's converted cache folder when no folder is given), at a dtype, on a
+device, in eval mode. ``Subjects`` loads what `metrale bench` compares once:
+that model and metrale's runtime at batch 1 and at the batch size under test
+(separate runtimes, so the batch-1 figures do not carry 16 KV slots).
 """
 
 from __future__ import annotations
@@ -73,18 +75,32 @@ def checkpoint_folder(source: str | Path | None) -> Path:
     return ensure_default_model()
 
 
+def load_transformers(folder: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> Any:
+    """transformers' own model class for the checkpoint in ``folder``, in eval
+    mode: the peer every benchmark measures metrale against."""
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    return model.to(device).eval()
+
+
 def load_subjects(source: str | Path | None, runtime: RuntimeConfig, batch: int) -> Subjects:
     """Loads both sides on ``runtime``'s device and dtype; ``runtime.num_slots``
     is overridden per side (1 and ``batch``)."""
-    from transformers import AutoModelForCausalLM
-
     single = load_model(source, replace(runtime, num_slots=1))
     batched = load_model(source, replace(runtime, num_slots=batch))
     folder = checkpoint_folder(source)
     dtype = getattr(torch, single.info.dtype)
-    hf_model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
-    hf_model = hf_model.to(single.model.device).eval()
+    hf_model = load_transformers(folder, dtype, single.model.device)
     return Subjects(folder, hf_model, single, batched, batch)
+
+
+def pad_id(loaded: LoadedModel) -> int:
+    """The id transformers pads a left-padded batch with."""
+    pad = getattr(loaded.tokenizer, "pad_token_id", None)
+    if pad is None:  # padded positions are masked: any id works, EOS is customary
+        pad = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
+    return int(pad)
 
 
 def resident_state_bytes(loaded: LoadedModel) -> int:
@@ -101,13 +117,19 @@ def hf_weight_bytes(hf_model: Any) -> int:
 
 
 class MetraleRunner:
-    """A fresh ``Engine`` per run, so figures and caches start from zero."""
+    """A fresh ``Engine`` per run, so figures and caches start from zero.
+    ``ignore_eos`` generates exactly ``max_tokens`` per request, as
+    ``HfRunner(ignore_eos=True)`` does: the engine gets no EOS ids (the
+    model's nor the requests'), and no tokenizer either, since with no EOS
+    and no stop strings there is no text to watch and only ids are compared."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
-        self.loaded, self.config = loaded, config
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, ignore_eos: bool = False) -> None:
+        self.loaded, self.config, self.ignore_eos = loaded, config, ignore_eos
 
     def run(self, requests: Sequence[Request]) -> RunOutcome:
-        engine = Engine.from_loaded(self.loaded, self.config)
+        engine = self._engine()
+        if self.ignore_eos:
+            requests = [replace(r, params=replace(r.params, eos_token_ids=())) for r in requests]
         started = time.perf_counter()
         results = list(engine.generate(requests))
         wall_s = time.perf_counter() - started
@@ -121,6 +143,11 @@ class MetraleRunner:
             forward_passes=stats.prefills + stats.verifies,
             stats=stats,
         )
+
+    def _engine(self) -> Engine:
+        if not self.ignore_eos:
+            return Engine.from_loaded(self.loaded, self.config)
+        return Engine(self.loaded.model, None, self.config, mtp=self.loaded.mtp)
 
 
 class HfRunner:
@@ -202,3 +229,6 @@ def _cut(generated: list[int], request: Request) -> tuple[int, ...]:
         if token in request.params.eos_token_ids:
             break
     return tuple(kept)
+
+
+Runner = MetraleRunner | HfRunner

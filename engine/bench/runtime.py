@@ -7,23 +7,25 @@ For each row shape ``slots x rows`` (1x1, 1x4, 1x8, 16x1, 16x4) every slot
 holds ``context`` tokens of KV, and one forward feeds ``rows`` new tokens per
 slot with logits for every row (what a verify needs). transformers runs its
 model class on the same checkpoint with a ``DynamicCache`` of the same
-context, cropped back after each forward (cropping is not timed). The ratio is
-metrale's median time over transformers' median: below 1 is faster.
+context, cropped back after each forward (cropping is not timed), on the same
+device. Each time is the median of ``--repeats`` forwards after two warm-ups
+(``take_turns``). The ratio is metrale's median time over transformers'
+median: below 1 is faster.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from metrale.engine.bench.runners import checkpoint_folder, load_transformers
+from metrale.engine.bench.timing import stopwatch, take_turns
 from metrale.engine.config import RuntimeConfig
-from metrale.engine.load.default_model import ensure_default_model
 from metrale.engine.load.loader import load_model
 from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.model import Segment
@@ -31,16 +33,10 @@ from metrale.engine.runtime.model import Segment
 SHAPES = ((1, 1), (1, 4), (1, 8), (16, 1), (16, 4))
 
 
-def median_ms(run: Callable[[], object], after: Callable[[], object], repeats: int) -> float:
-    times = []
-    for i in range(repeats + 2):
-        start = time.perf_counter()
-        run()
-        elapsed = time.perf_counter() - start
-        after()
-        if i >= 2:  # two warm-up calls
-            times.append(elapsed)
-    return 1000 * statistics.median(times)
+def median_ms(run: Callable[[], float], repeats: int) -> float:
+    """Milliseconds of the median of ``repeats`` timed ``run``s, after two warm-ups."""
+    (seconds,) = take_turns([run], repeats, warmups=[run, run])
+    return 1000 * statistics.median(seconds)
 
 
 def bench_metrale(
@@ -54,34 +50,33 @@ def bench_metrale(
     results = []
     for slots, rows in shapes:
         segments = [Segment(s, context, list(range(100, 100 + rows))) for s in range(slots)]
-        results.append(median_ms(partial(model.forward, segments), lambda: None, repeats))
+        results.append(median_ms(stopwatch(partial(model.forward, segments)), repeats))
     return results
 
 
 def bench_transformers(
     folder: Path,
     dtype: torch.dtype,
+    device: torch.device,
     context_ids: list[int],
     shapes: tuple[tuple[int, int], ...],
     repeats: int,
 ) -> list[float]:
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    model = load_transformers(folder, dtype, device)
     results = []
     with torch.inference_mode():
         prefill = DynamicCache(config=model.config)
-        model(torch.tensor([context_ids]), past_key_values=prefill, use_cache=True)
+        context = torch.tensor([context_ids], device=device)  # [1, context]
+        model(context, past_key_values=prefill, use_cache=True)
         for slots, rows in shapes:
             cache = DynamicCache(config=model.config)
             for layer, (keys, values) in enumerate(_layers(prefill)):
                 cache.update(keys.repeat(slots, 1, 1, 1), values.repeat(slots, 1, 1, 1), layer)
-            ids = torch.arange(100, 100 + rows).repeat(slots, 1)  # [slots, rows]
-
-            def run(ids: torch.Tensor = ids, cache: DynamicCache = cache) -> None:
-                model(ids, past_key_values=cache, use_cache=True)
-
-            results.append(median_ms(run, partial(cache.crop, -rows), repeats))
+            ids = torch.arange(100, 100 + rows, device=device).repeat(slots, 1)  # [slots, rows]
+            forward = partial(model, ids, past_key_values=cache, use_cache=True)
+            results.append(median_ms(stopwatch(forward, partial(cache.crop, -rows)), repeats))
     return results
 
 
@@ -113,19 +108,19 @@ def main() -> None:
     loaded = load_model(args.model, runtime)
     model = loaded.model
     assert isinstance(model, LlamaModel)
-    folder = args.model or ensure_default_model()
+    folder = checkpoint_folder(args.model)
     context_ids = torch.randint(0, model.vocab_size, (args.context,)).tolist()
     print(
         f"model {loaded.name}, dtype {loaded.info.dtype}, device {loaded.info.device}, "
         f"context {args.context}, threads {torch.get_num_threads()}, median of {args.repeats}"
     )
-    dtype = model.dtype
+    dtype, device = model.dtype, model.device
     ours = bench_metrale(model, context_ids, SHAPES, args.repeats)
     print(
         "metrale ms:", " ".join(f"{s}x{r}={t:.2f}" for (s, r), t in zip(SHAPES, ours, strict=True))
     )
     del loaded, model  # free the slots before transformers' copy of the weights
-    theirs = bench_transformers(folder, dtype, context_ids, SHAPES, args.repeats)
+    theirs = bench_transformers(folder, dtype, device, context_ids, SHAPES, args.repeats)
     print(f"{'slots x rows':>12} {'metrale ms':>11} {'transformers ms':>16} {'ratio':>6}")
     for (slots, rows), a, b in zip(SHAPES, ours, theirs, strict=True):
         print(f"{f'{slots} x {rows}':>12} {a:11.2f} {b:16.2f} {a / b:6.2f}")

@@ -7,8 +7,9 @@ prompt ids. Batch-1 configurations decode the workload's first
 requests together (so "batch 16" really has 16 in flight). Per workload: one
 untimed warm-up run of each configuration (a few requests, a few tokens),
 then ``repeats`` timed runs per configuration, the configurations taking
-turns (rep 1 of each, then rep 2 of each, in rotated order), so drift on a
-shared machine hits all of them alike. Figures come from the median run.
+turns (``take_turns``: rep 1 of each, then rep 2 of each, in rotated order),
+so drift on a shared machine hits all of them alike. Figures come from the
+median run.
 
 Outputs are greedy. Every run of every configuration is compared token for
 token with transformers greedy at batch 1, the reference (its first timed
@@ -34,11 +35,14 @@ from metrale.engine.bench.memory import PeakMemory, frozen_heap
 from metrale.engine.bench.runners import (
     HfRunner,
     MetraleRunner,
+    Runner,
     RunOutcome,
     Subjects,
     hf_weight_bytes,
+    pad_id,
     resident_state_bytes,
 )
+from metrale.engine.bench.timing import take_turns
 from metrale.engine.config import MTP_MIN_PROB, EngineConfig, MtpLadder
 from metrale.lookup import PromptLookupConfig
 
@@ -63,15 +67,15 @@ class BenchSettings:
 
     def __post_init__(self) -> None:
         if self.single_prompts is not None and self.single_prompts < 1:
-            raise ValueError("--prompts must be at least 1")
+            raise ValueError("single_prompts must be at least 1")
         if self.repeats < 1:
-            raise ValueError("--repeats must be at least 1")
+            raise ValueError("repeats must be at least 1")
         if self.batch < 2:
-            raise ValueError("--batch must be at least 2 (batch 1 is always measured)")
+            raise ValueError("batch must be at least 2 (batch 1 is always measured)")
         if self.hf_lookup_tokens < 1:
-            raise ValueError("--hf-lookup-tokens must be at least 1")
+            raise ValueError("hf_lookup_tokens must be at least 1")
         if self.warmup_tokens < 1:
-            raise ValueError("warm-up needs at least 1 token")
+            raise ValueError("warmup_tokens must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -103,8 +107,10 @@ class Workload:
 
 
 def configurations(settings: BenchSettings) -> tuple[Configuration, ...]:
-    """The issue's set: transformers (HF) greedy at 1 and ``batch``, its prompt
-    lookup at 1, and metrale off / MTP / lookup / both at 1 and ``batch``."""
+    """transformers (HF) greedy at 1 and ``batch``, its prompt lookup at 1, and
+    metrale off / MTP / lookup / both at 1 and ``batch``: each speculation
+    mode of metrale next to the plain decoding it must beat and to the
+    speculation transformers itself offers, at both batch sizes."""
     b = settings.batch
     rows = [
         Configuration(REFERENCE, "HF greedy", "transformers", 1),
@@ -187,7 +193,6 @@ def bench_workload(
     )
 
 
-Runner = MetraleRunner | HfRunner
 TimedRuns = dict[str, list[tuple[RunOutcome, int | None]]]
 
 
@@ -199,27 +204,44 @@ def timed_runs(
     subjects: Subjects,
     progress: Progress | None,
 ) -> TimedRuns:
-    """Warm-up, then ``repeats`` rounds in which every configuration runs once
-    (rotated order). Returns each configuration's (outcome, peak bytes) per round."""
+    """A short warm-up of each, then ``repeats`` rounds in which every
+    configuration runs once (``take_turns``). Returns each configuration's
+    (outcome, peak bytes) per round."""
     meter = PeakMemory(subjects.device)
-    for config in configs:
-        _say(progress, f"{workload.name}: warm-up, {config.label} (batch {config.batch})")
-        warmup = warmup_requests(workload, config.batch, settings.warmup_tokens)
-        runners[config.key].run(warmup)
-    runs: TimedRuns = {c.key: [] for c in configs}
-    for rep in range(settings.repeats):
-        shift = rep % len(configs)
-        for config in [*configs[shift:], *configs[:shift]]:
-            _say(
-                progress,
-                f"{workload.name}: run {rep + 1}/{settings.repeats}, "
-                f"{config.label} (batch {config.batch})",
-            )
-            requests = workload.requests_for(config.batch, settings.single_prompts)
+
+    def warmup(config: Configuration) -> Callable[[], RunOutcome]:
+        def run() -> RunOutcome:
+            _say(progress, f"{workload.name}: warm-up, {config.label} (batch {config.batch})")
+            short = warmup_requests(workload, config.batch, settings.warmup_tokens)
+            return runners[config.key].run(short)
+
+        return run
+
+    def measured(config: Configuration) -> Callable[[], tuple[RunOutcome, int | None]]:
+        requests = workload.requests_for(config.batch, settings.single_prompts)
+
+        def run() -> tuple[RunOutcome, int | None]:
             with meter.measure():
                 outcome = runners[config.key].run(requests)
-            runs[config.key].append((outcome, meter.peak_bytes))
-    return runs
+            return outcome, meter.peak_bytes
+
+        return run
+
+    def announce(rep: int, index: int) -> None:
+        config = configs[index]
+        _say(
+            progress,
+            f"{workload.name}: run {rep + 1}/{settings.repeats}, "
+            f"{config.label} (batch {config.batch})",
+        )
+
+    rounds = take_turns(
+        [measured(c) for c in configs],
+        settings.repeats,
+        warmups=[warmup(c) for c in configs],
+        before=announce,
+    )
+    return {c.key: runs for c, runs in zip(configs, rounds, strict=True)}
 
 
 def warmup_requests(workload: Workload, batch: int, tokens: int) -> list[Request]:
@@ -232,18 +254,11 @@ def warmup_requests(workload: Workload, batch: int, tokens: int) -> list[Request
 
 def _runner(config: Configuration, settings: BenchSettings, subjects: Subjects) -> Runner:
     if config.side == "transformers":
-        pad_id = _pad_id(subjects)
-        return HfRunner(subjects.hf_model, pad_id, config.batch, config.hf_lookup_tokens)
+        pad = pad_id(subjects.single)
+        return HfRunner(subjects.hf_model, pad, config.batch, config.hf_lookup_tokens)
     loaded = subjects.single if config.batch == 1 else subjects.batched
     cfg = engine_config(settings, config.batch, config.speculation, settings.prompt_lookup)
     return MetraleRunner(loaded, cfg)
-
-
-def _pad_id(subjects: Subjects) -> int:
-    pad = getattr(subjects.single.tokenizer, "pad_token_id", None)
-    if pad is None:  # padded positions are masked: any id works, EOS is customary
-        pad = subjects.single.eos_token_ids[0] if subjects.single.eos_token_ids else 0
-    return int(pad)
 
 
 def _figures(

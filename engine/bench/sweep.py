@@ -21,12 +21,11 @@ from dataclasses import dataclass, replace
 
 from metrale.engine.bench.figures import Mismatch, first_mismatch
 from metrale.engine.bench.memory import frozen_heap
-from metrale.engine.bench.runners import MetraleRunner, Subjects
+from metrale.engine.bench.runners import MetraleRunner, Runner, Subjects
 from metrale.engine.bench.suite import (
     BenchSettings,
     Configuration,
     Progress,
-    Runner,
     Speculation,
     TimedRuns,
     Workload,
