@@ -29,7 +29,7 @@ from typing import Any, Literal
 import orjson
 
 from metrale.engine.api import Request, SamplingParams
-from metrale.engine.prompts import Tokenizer, chat_prompt_ids, text_prompt_ids
+from metrale.engine.prompts import Tokenizer, chat_prompt_ids, content_text, text_prompt_ids
 
 LineFormat = Literal["simple", "chat", "completion"]
 BATCH_URLS: dict[str, LineFormat] = {
@@ -249,14 +249,10 @@ def _prompt_or_messages(
 def _message(m: Any, where: str) -> dict[str, str]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise LineFault(where, "must be an object with a string role")
-    content = m.get("content")
-    if isinstance(content, list):  # OpenAI content parts: keep the text ones
-        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-            raise LineFault(f"{where}.content", "only text parts are supported")
-        content = "".join(texts)  # type: ignore[arg-type]
-    if not isinstance(content, str):
-        raise LineFault(f"{where}.content", "must be a string")
+    try:
+        content = content_text(m.get("content"))
+    except ValueError as exc:
+        raise LineFault(f"{where}.content", str(exc)) from None
     return {"role": m["role"], "content": content}
 
 

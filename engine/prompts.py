@@ -15,6 +15,9 @@ Nothing here knows JSONL, flags or a terminal; a chat template that raises
   tokenize, keeps one behaviour whatever the transformers version (whose
   tokenizing call has returned a list in some versions and a
   ``BatchEncoding`` in others).
+- A message is its ``role`` and its ``content`` and nothing else; a content
+  given as OpenAI content parts is the concatenation of its text parts
+  (``content_text``), whichever command reads it.
 - **a raw prompt**: encoded with the tokenizer's own special tokens (a BOS,
   where the tokenizer adds one), as a completion endpoint takes it.
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-Message = Mapping[str, str]  # {"role": ..., "content": ...}
+Message = Mapping[str, Any]  # {"role": str, "content": str | [{"type": "text", "text": str}]}
 
 
 class Tokenizer(Protocol):
@@ -35,12 +38,25 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
 
+def content_text(content: Any) -> str:
+    """A message's content as text: a string as it is, OpenAI content parts
+    joined. Raises ``ValueError`` for a part that is not text, or a content
+    that is neither."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("must be a string")
+    texts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
+    if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("only text parts are supported")
+    return "".join(texts)
+
+
 def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[Message]) -> tuple[int, ...]:
     """The ids of ``messages`` rendered by the chat template, ready for the
     assistant's reply (see the module doc)."""
-    text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
-    )
+    plain = [{"role": m["role"], "content": content_text(m["content"])} for m in messages]
+    text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
     return tuple(int(i) for i in tokenizer.encode(str(text), add_special_tokens=False))
 
 

@@ -37,6 +37,16 @@ LINES: list[dict[str, Any]] = [
         ],
     },
     {"id": "raw", "prompt": "def add(a, b):\n    return"},
+    {
+        "id": "parts",
+        "messages": [
+            {
+                "role": "user",
+                "name": "ignored by every path",
+                "content": [{"type": "text", "text": "Sum "}, {"type": "text", "text": "1 and 2."}],
+            }
+        ],
+    },
 ]
 
 
@@ -44,9 +54,16 @@ def reference_ids(tokenizer: Any, record: dict[str, Any]) -> tuple[int, ...]:
     """What `generate` has always served for a line."""
     if "prompt" in record:
         return tuple(tokenizer.encode(record["prompt"]))
-    text = tokenizer.apply_chat_template(
-        record["messages"], tokenize=False, add_generation_prompt=True
-    )
+    messages = [
+        {
+            "role": m["role"],
+            "content": m["content"]
+            if isinstance(m["content"], str)
+            else "".join(p["text"] for p in m["content"]),
+        }
+        for m in record["messages"]
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
