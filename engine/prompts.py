@@ -47,9 +47,10 @@ def content_text(content: Any) -> str:
     if not isinstance(content, list):
         raise ValueError("must be a string")
     texts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
-    if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+    strings = [t for t in texts if isinstance(t, str)]
+    if len(strings) != len(content):
         raise ValueError("only text parts are supported")
-    return "".join(texts)
+    return "".join(strings)
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[Message]) -> tuple[int, ...]:
