@@ -33,7 +33,25 @@ from metrale.cli.bench_view import (
     write_plot,
 )
 from metrale.cli.jsonl import LineDefaults, LineError, LineRef, encode, parse_line
-from metrale.cli.options import load_error
+from metrale.cli.options import (
+    MTP_DRAFTS,
+    DeviceOpt,
+    DtypeOpt,
+    MaxTokensOpt,
+    ModelOpt,
+    MtpDraftsOpt,
+    MtpHeadOpt,
+    MtpMinProbOpt,
+    PromptLookupMaxDraftsOpt,
+    PromptLookupMaxSeqsOpt,
+    PromptLookupMinMatchOpt,
+    PromptLookupNgramOpt,
+    ThreadsOpt,
+    WeightsOpt,
+    config_error,
+    load_error,
+    option,
+)
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import MTP_MIN_PROB, MtpLadder, RuntimeConfig
 from metrale.lookup import PromptLookupConfig
@@ -46,6 +64,13 @@ if TYPE_CHECKING:
 
 SAMPLE_DIR = "sample_prompts"
 EXIT_MISMATCH = 1
+# BenchSettings fields set by bench's own flags.
+BENCH_FLAGS = {
+    "single_prompts": "--prompts",
+    "repeats": "--repeats",
+    "batch": "--batch",
+    "hf_lookup_tokens": "--hf-lookup-tokens",
+}
 
 
 def sample_workloads() -> list[Path]:
@@ -101,78 +126,54 @@ def bench(
             show_default=False,
         ),
     ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="Checkpoint folder (HF layout); default: the embedded SmolLM2-135M-Instruct."
-        ),
-    ] = None,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Cap on each line's max_tokens.")] = 64,
+    model: ModelOpt = None,
+    max_tokens: MaxTokensOpt = 64,
     prompts: Annotated[
         int,
-        typer.Option(
-            min=1,
-            help="Lines each batch-1 configuration decodes (the first N of each workload); "
+        option(
+            "--prompts",
+            "Lines each batch-1 configuration decodes (the first N of each workload); "
             "batched configurations decode the first --batch lines.",
         ),
     ] = 4,
     repeats: Annotated[
-        int, typer.Option(min=1, help="Timed runs per configuration; the median counts.")
+        int, option("--repeats", "Timed runs per configuration; the median counts.")
     ] = 3,
-    batch: Annotated[int, typer.Option(min=2, help="The batched configurations' batch size.")] = 16,
+    batch: Annotated[int, option("--batch", "The batched configurations' batch size.")] = 16,
     hf_lookup_tokens: Annotated[
-        int, typer.Option(min=1, help="transformers' prompt_lookup_num_tokens.")
+        int, option("--hf-lookup-tokens", "transformers' prompt_lookup_num_tokens.")
     ] = 10,
-    mtp_drafts: Annotated[
-        str, typer.Option(help="metrale's MTP ladder, as in `generate`.")
-    ] = "8:3,15:2,1",
-    mtp_min_prob: Annotated[
-        float, typer.Option(min=0.0, max=0.999, help="As in `generate`.")
-    ] = MTP_MIN_PROB,
-    prompt_lookup_max_drafts: Annotated[int, typer.Option(help="As in `generate`.")] = 8,
-    prompt_lookup_max_seqs: Annotated[int, typer.Option(help="As in `generate`.")] = 8,
-    prompt_lookup_ngram: Annotated[int, typer.Option(help="As in `generate`.")] = 4,
-    prompt_lookup_min_match: Annotated[int, typer.Option(help="As in `generate`.")] = 8,
+    mtp_drafts: MtpDraftsOpt = MTP_DRAFTS,
+    mtp_min_prob: MtpMinProbOpt = MTP_MIN_PROB,
+    prompt_lookup_max_drafts: PromptLookupMaxDraftsOpt = 8,
+    prompt_lookup_max_seqs: PromptLookupMaxSeqsOpt = 8,
+    prompt_lookup_ngram: PromptLookupNgramOpt = 4,
+    prompt_lookup_min_match: PromptLookupMinMatchOpt = 8,
     sweep: Annotated[
         str | None,
-        typer.Option(
-            help="Instead of the comparison: tune one setting, e.g. "
+        option(
+            "--sweep",
+            "Instead of the comparison: tune one setting, e.g. "
             "'prompt-lookup-max-drafts=1,2,4,8,16' (also prompt-lookup-ngram, "
             "prompt-lookup-min-match, mtp-drafts).",
         ),
     ] = None,
-    sweep_batch: Annotated[int, typer.Option(min=1, help="Batch size of a sweep.")] = 1,
-    device: Annotated[
-        str | None, typer.Option(help="cpu, cuda ... (default: CUDA if available).")
-    ] = None,
-    dtype: Annotated[
-        str | None, typer.Option(help="float32, bfloat16, float16 (default: per device).")
-    ] = None,
-    weights: Annotated[
-        str,
-        typer.Option(
-            help="metrale's weights: auto (packed in the CPU kernel when present) or dense. "
-            "transformers always runs the dense float32 matrices."
-        ),
-    ] = "auto",
-    mtp_head: Annotated[
-        Path | None,
-        typer.Option(
-            help="MTP head from `metrale train-mtp` to draft with instead of the model's."
-        ),
-    ] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(min=1, help="torch intra-op threads for both sides (default: torch's)."),
-    ] = None,
-    json_path: Annotated[
-        Path | None, typer.Option("--json", help="Write the figures here.")
-    ] = None,
+    sweep_batch: Annotated[int, option("--sweep-batch", "Batch size of a sweep.")] = 1,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    weights: WeightsOpt = "auto",
+    mtp_head: MtpHeadOpt = None,
+    threads: ThreadsOpt = None,
+    json_path: Annotated[Path | None, option("--json", "Write the figures here.")] = None,
     plot: Annotated[
-        Path | None, typer.Option(help="Bar chart of speedups (PNG; needs matplotlib).")
+        Path | None, option("--plot", "Bar chart of speedups (PNG; needs matplotlib).")
     ] = None,
 ) -> None:
-    """Measure metrale against transformers on the same model, prompts and dtype."""
+    """Measure metrale against transformers on the same model, prompts and dtype.
+
+    Every line decodes greedily, at most --max-tokens tokens. transformers
+    always runs the dense float32 matrices, whatever --weights says.
+    """
     from metrale.engine.bench.suite import BenchSettings
     from metrale.engine.bench.sweep import parse_sweep
 
@@ -194,7 +195,7 @@ def bench(
         spec = parse_sweep(sweep) if sweep is not None else None
         runtime = RuntimeConfig(device=device, dtype=dtype, weights=weights, mtp_head=mtp_head)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
+        raise config_error(exc, BENCH_FLAGS) from exc
     if plot is not None:
         check_plot_available()
     if threads is not None:

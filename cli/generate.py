@@ -13,13 +13,36 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import IO, Annotated, Any
+from typing import IO, Annotated
 
 import typer
 from rich.console import Console
 
 from metrale.cli.jsonl import LineDefaults
-from metrale.cli.options import OutputOrder, Progress, env, in_range, load_error, range_text
+from metrale.cli.options import (
+    MTP_DRAFTS,
+    RUNTIME,
+    SAMPLING,
+    SPECULATION,
+    DeviceOpt,
+    DtypeOpt,
+    MaxTokensOpt,
+    ModelOpt,
+    MtpDraftsOpt,
+    MtpHeadOpt,
+    MtpMinProbOpt,
+    MtpOpt,
+    OutputOrder,
+    Progress,
+    PromptLookupMaxDraftsOpt,
+    PromptLookupMaxSeqsOpt,
+    PromptLookupMinMatchOpt,
+    PromptLookupNgramOpt,
+    WeightsOpt,
+    config_error,
+    load_error,
+    option,
+)
 from metrale.cli.records import done_ids
 from metrale.cli.run import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Backend, RunPlan, run
 from metrale.engine.api import SamplingParams
@@ -31,34 +54,6 @@ from metrale.engine.config import (
     SharedLookupSettings,
 )
 from metrale.lookup import PromptLookupConfig
-
-LOOKUP = "Speculation: MTP drafts and prompt-lookup copies"
-SAMPLING = "Sampling (lines may override)"
-RUNTIME = "Model and runtime"
-
-
-def _opt(
-    flag: str,
-    help: str,
-    *decls: str,
-    lo: float | None = None,
-    hi: float | None = None,
-    lo_open: bool = False,
-    panel: str | None = None,
-) -> Any:
-    """An option with its env var, and its range checked and shown in help."""
-    if lo is not None:
-        help = f"{help} Range {range_text(lo, hi, lo_open)}."
-    name = flag.split("/")[0]
-    return typer.Option(
-        flag,
-        *decls,
-        help=help,
-        envvar=env(name),
-        show_envvar=True,
-        rich_help_panel=panel,
-        callback=in_range(lo, hi, lo_open) if lo is not None else None,
-    )
 
 
 def open_backend(model: str | None, runtime: RuntimeConfig, engine: EngineConfig) -> Backend:
@@ -90,179 +85,93 @@ def generate(
         ),
     ] = None,
     output: Annotated[
-        str | None, _opt("--output", "Write JSONL here ('-' or none: standard output).", "-o")
+        str | None, option("--output", "Write JSONL here ('-' or none: standard output).", "-o")
     ] = None,
-    model: Annotated[
-        str | None,
-        _opt(
-            "--model",
-            "Checkpoint folder (HF layout); default: the embedded SmolLM2-135M-Instruct.",
-            panel=RUNTIME,
-        ),
-    ] = None,
-    mtp: Annotated[
-        bool, _opt("--mtp/--no-mtp", "Draft with the model's MTP layers.", panel=LOOKUP)
-    ] = True,
-    mtp_head: Annotated[
-        Path | None,
-        _opt(
-            "--mtp-head",
-            "MTP head written by `metrale train-mtp --out`, drafting for this model instead "
-            "of its own MTP layers (or the default model's shipped head).",
-            panel=LOOKUP,
-        ),
-    ] = None,
-    mtp_drafts: Annotated[
-        str,
-        _opt(
-            "--mtp-drafts",
-            "MTP chain length by batch size: 'running:drafts,...,beyond', or 'N'.",
-            panel=LOOKUP,
-        ),
-    ] = "8:3,15:2,1",
-    mtp_min_prob: Annotated[
-        float,
-        _opt(
-            "--mtp-min-prob",
-            "Stop an MTP chain where the module gives no token this probability (0: full chain).",
-            lo=0.0,
-            hi=0.99,
-            panel=LOOKUP,
-        ),
-    ] = MTP_MIN_PROB,
+    model: ModelOpt = None,
+    mtp: MtpOpt = True,
+    mtp_head: MtpHeadOpt = None,
+    mtp_drafts: MtpDraftsOpt = MTP_DRAFTS,
+    mtp_min_prob: MtpMinProbOpt = MTP_MIN_PROB,
     prompt_lookup: Annotated[
         bool,
-        _opt(
+        option(
             "--prompt-lookup/--no-prompt-lookup",
             "Draft with copies of earlier tokens.",
-            panel=LOOKUP,
+            panel=SPECULATION,
         ),
     ] = True,
-    pl_max_drafts: Annotated[
-        int, _opt("--prompt-lookup-max-drafts", "Longest copy.", lo=1, hi=256, panel=LOOKUP)
-    ] = 8,
-    pl_max_seqs: Annotated[
-        int,
-        _opt(
-            "--prompt-lookup-max-seqs",
-            "No copies while more sequences run.",
-            lo=1,
-            hi=1 << 20,
-            panel=LOOKUP,
-        ),
-    ] = 8,
-    pl_ngram: Annotated[
-        int, _opt("--prompt-lookup-ngram", "N-gram length looked up.", lo=1, hi=64, panel=LOOKUP)
-    ] = 4,
-    pl_min_match: Annotated[
-        int,
-        _opt(
-            "--prompt-lookup-min-match",
-            "Tokens that must agree (never fewer than the n-gram).",
-            lo=1,
-            hi=4096,
-            panel=LOOKUP,
-        ),
-    ] = 8,
+    pl_max_drafts: PromptLookupMaxDraftsOpt = 8,
+    pl_max_seqs: PromptLookupMaxSeqsOpt = 8,
+    pl_ngram: PromptLookupNgramOpt = 4,
+    pl_min_match: PromptLookupMinMatchOpt = 8,
     pl_miss_backoff: Annotated[
         int,
-        _opt(
+        option(
             "--prompt-lookup-miss-backoff",
             "Cap of the cooldown after misses (0: none).",
-            lo=0,
-            hi=1 << 20,
-            panel=LOOKUP,
+            panel=SPECULATION,
         ),
     ] = 16,
     pl_shared_mb: Annotated[
         float,
-        _opt(
+        option(
             "--prompt-lookup-shared-cache-mb",
             "Cross-request cache size (0: off).",
-            lo=0,
-            hi=1 << 20,
-            panel=LOOKUP,
+            panel=SPECULATION,
         ),
     ] = 0.0,
     pl_shared_scopes: Annotated[
         int,
-        _opt(
+        option(
             "--prompt-lookup-shared-cache-scopes",
             "Scopes the cache is split over.",
-            lo=1,
-            hi=4096,
-            panel=LOOKUP,
+            panel=SPECULATION,
         ),
     ] = 4,
     shared_scope: Annotated[
         str | None,
-        _opt("--shared-scope", "Scope of lines without 'scope' (none: not shared).", panel=LOOKUP),
+        option(
+            "--shared-scope",
+            "Scope of lines without 'scope' (none: not shared).",
+            panel=SPECULATION,
+        ),
     ] = None,
     max_batch: Annotated[
-        int, _opt("--max-batch", "Sequences decoded together.", lo=1, hi=4096, panel=RUNTIME)
+        int, option("--max-batch", "Sequences decoded together.", panel=RUNTIME)
     ] = 16,
     max_len: Annotated[
         int | None,
-        _opt(
+        option(
             "--max-len",
             "Positions per sequence (prompt + output); default: the model's.",
-            lo=2,
-            hi=1 << 24,
             panel=RUNTIME,
         ),
     ] = None,
-    max_tokens: Annotated[
-        int, _opt("--max-tokens", "Tokens to generate per line.", lo=1, hi=1 << 24, panel=SAMPLING)
-    ] = 256,
-    temperature: Annotated[
-        float, _opt("--temperature", "0 is greedy.", lo=0, hi=100, panel=SAMPLING)
-    ] = 0.0,
-    top_p: Annotated[
-        float, _opt("--top-p", "Nucleus sampling mass.", lo=0, hi=1, lo_open=True, panel=SAMPLING)
-    ] = 1.0,
+    max_tokens: MaxTokensOpt = 256,
+    temperature: Annotated[float, option("--temperature", "0 is greedy.", panel=SAMPLING)] = 0.0,
+    top_p: Annotated[float, option("--top-p", "Nucleus sampling mass.", panel=SAMPLING)] = 1.0,
     top_k: Annotated[
-        int,
-        _opt("--top-k", "Keep the k likeliest tokens (0: all).", lo=0, hi=1 << 24, panel=SAMPLING),
+        int, option("--top-k", "Keep the k likeliest tokens (0: all).", panel=SAMPLING)
     ] = 0,
     seed: Annotated[
         int | None,
-        _opt(
-            "--seed",
-            "A line without 'seed' uses this + its line number.",
-            lo=0,
-            hi=(1 << 63) - 1,
-            panel=SAMPLING,
-        ),
+        option("--seed", "A line without 'seed' uses this + its line number.", panel=SAMPLING),
     ] = None,
-    device: Annotated[
-        str | None,
-        _opt("--device", "cpu, cuda, cuda:1 ... (default: CUDA if available).", panel=RUNTIME),
-    ] = None,
-    dtype: Annotated[
-        str | None,
-        _opt("--dtype", "float32, bfloat16 or float16 (default: per device).", panel=RUNTIME),
-    ] = None,
-    weights: Annotated[
-        str,
-        _opt(
-            "--weights",
-            "auto: run weights the model holds packed (the default model's Q4_1) in the "
-            "CPU kernel, same values in a sixth of the bytes; dense: float32 matrices.",
-            panel=RUNTIME,
-        ),
-    ] = "auto",
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    weights: WeightsOpt = "auto",
     stats_json: Annotated[
-        Path | None, _opt("--stats-json", "Write the run's figures here as JSON.")
+        Path | None, option("--stats-json", "Write the run's figures here as JSON.")
     ] = None,
     resume: Annotated[
-        bool, _opt("--resume/--no-resume", "Skip lines whose id is already in OUTPUT (needs -o).")
+        bool, option("--resume/--no-resume", "Skip lines whose id is already in OUTPUT (needs -o).")
     ] = False,
     order: Annotated[
-        OutputOrder, _opt("--order", "Write lines as they complete, or in input order.")
+        OutputOrder, option("--order", "Write lines as they complete, or in input order.")
     ] = OutputOrder.completed,
     progress: Annotated[
         Progress,
-        _opt("--progress", "Live view (terminal), summary lines, or just the final table."),
+        option("--progress", "Live view (terminal), summary lines, or just the final table."),
     ] = Progress.auto,
 ) -> None:
     """Generate completions for JSONL prompts (simple or OpenAI Batch format)."""
@@ -296,8 +205,8 @@ def generate(
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
         )
-    except ValueError as exc:  # the configs' messages name the flag
-        raise typer.BadParameter(str(exc)) from exc
+    except ValueError as exc:  # the configs' messages name a field: say its flag
+        raise config_error(exc) from exc
     console = Console(stderr=True)
     backend = _load(console, model, runtime, engine_cfg)
     plan = RunPlan(

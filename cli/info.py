@@ -3,18 +3,28 @@
 Contract: loads the model (the embedded default when ``MODEL`` is omitted)
 with the given device/dtype and prints its architecture, parameter count,
 dtype, device, context length, MTP layers found and KV bytes per token. A
-model that cannot be loaded exits with 2 and the loader's message.
+model that cannot be loaded exits with 2 and the loader's message; a bad
+``--device``, ``--dtype`` or ``--weights`` is a usage error on that flag.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from metrale.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    MtpHeadOpt,
+    MtpOpt,
+    WeightsOpt,
+    config_error,
+    env,
+    load_error,
+)
 from metrale.engine.config import RuntimeConfig
 
 
@@ -22,25 +32,18 @@ def info(
     model: Annotated[
         str | None,
         typer.Argument(
-            help="Checkpoint folder (config.json + safetensors); omit for the embedded SmolLM2-135M-Instruct."
+            metavar="MODEL",
+            help="Checkpoint folder (config.json + safetensors); omit for the embedded "
+            "SmolLM2-135M-Instruct.",
+            envvar=env("--model"),
+            show_envvar=True,
         ),
     ] = None,
-    device: Annotated[
-        str | None, typer.Option(help="cpu or cuda (default: cuda when available).")
-    ] = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option(
-            help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)."
-        ),
-    ] = None,
-    mtp: Annotated[bool, typer.Option(help="Load MTP layers when the checkpoint has them.")] = True,
-    mtp_head: Annotated[
-        Path | None, typer.Option(help="MTP head from `metrale train-mtp` to load instead.")
-    ] = None,
-    weights: Annotated[
-        str, typer.Option(help="auto (packed weights in the CPU kernel when present) or dense.")
-    ] = "auto",
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    mtp: MtpOpt = True,
+    mtp_head: MtpHeadOpt = None,
+    weights: WeightsOpt = "auto",
 ) -> None:
     """Show a model's architecture, size, MTP layers and KV cost."""
     console = Console()
@@ -48,10 +51,17 @@ def info(
         runtime = RuntimeConfig(
             device=device, dtype=dtype, num_slots=1, mtp=mtp, weights=weights, mtp_head=mtp_head
         )
+    except ValueError as exc:
+        raise config_error(exc) from exc
+    try:
         from metrale.engine.load.loader import load_model  # torch loads only when needed
 
         loaded = load_model(model, runtime)
     except (OSError, ValueError) as exc:  # CheckpointError/DefaultModelError are ValueErrors
+        error = load_error(exc, mtp_head, model="MODEL")
+        if error.param_hint != "MODEL":  # a flag's value: --device, --mtp-head...
+            raise error from exc
+        # The loader's message whole: an error box would fold the folder's path.
         Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     facts = loaded.info

@@ -1,4 +1,8 @@
-"""The `metrale` command: one Typer app, one module per subcommand."""
+"""The `metrale` command: one Typer app, one module per subcommand.
+
+Each subcommand prints its `--help` through ``metrale.cli.help.HelpCommand``,
+which shows every flag whole at any width.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import typer
 
 from metrale.cli.bench import bench
 from metrale.cli.generate import generate
+from metrale.cli.help import HelpCommand
 from metrale.cli.info import info
 from metrale.cli.train import train_mtp_command
 
@@ -23,7 +28,7 @@ def _root() -> None:
     """Batch generation from JSONL with lossless speculative decoding."""
 
 
-app.command(name="generate")(generate)
-app.command(name="train-mtp")(train_mtp_command)
-app.command(name="bench")(bench)
-app.command(name="info")(info)
+app.command(name="generate", cls=HelpCommand)(generate)
+app.command(name="train-mtp", cls=HelpCommand)(train_mtp_command)
+app.command(name="bench", cls=HelpCommand)(bench)
+app.command(name="info", cls=HelpCommand)(info)

@@ -30,6 +30,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from metrale.cli.options import DtypeOpt, ModelOpt, ThreadsOpt, config_error, load_error, option
 from metrale.engine.config import RuntimeConfig
 from metrale.engine.train.trainer import EvalReport, TrainConfig, TrainProgress
 
@@ -59,65 +60,56 @@ def describe(report: EvalReport) -> str:
 
 def train_mtp_command(
     data: Annotated[
-        list[Path],
-        typer.Option("--data", help="Training data: text files or JSONL (repeat the flag)."),
+        list[Path], option("--data", "Training data: text files or JSONL (repeat the flag).")
     ],
-    out: Annotated[Path, typer.Option("--out", help="Head to write: OUT.safetensors + OUT.json.")],
-    model: Annotated[
-        str | None,
-        typer.Option("--model", help="Checkpoint folder (default: the embedded SmolLM2-135M)."),
-    ] = None,
+    out: Annotated[Path, option("--out", "Head to write: OUT.safetensors + OUT.json.")],
+    model: ModelOpt = None,
     work_dir: Annotated[
         Path | None,
-        typer.Option(help="Generations, cached hidden states, checkpoints (default OUT.work)."),
+        option("--work-dir", "Generations, cached hidden states, checkpoints (default OUT.work)."),
     ] = None,
-    epochs: Annotated[int, typer.Option(min=1, help="Passes over the training data.")] = 3,
+    epochs: Annotated[int, option("--epochs", "Passes over the training data.")] = 3,
     batch_tokens: Annotated[
-        int, typer.Option(min=1, help="Trained positions per optimizer step.")
+        int, option("--batch-tokens", "Trained positions per optimizer step.")
     ] = 4096,
-    lr: Annotated[float, typer.Option(min=0.0, help="Peak AdamW learning rate.")] = 1e-3,
-    seed: Annotated[int, typer.Option(help="Seed: the same seed and data give the same head.")] = 0,
-    heldout: Annotated[
-        float, typer.Option(min=0.0, max=0.9, help="Fraction of sequences held out.")
-    ] = 0.05,
-    eval_every: Annotated[int, typer.Option(min=0, help="Steps between evaluations.")] = 100,
-    checkpoint_every: Annotated[int, typer.Option(min=0, help="Steps between checkpoints.")] = 20,
+    lr: Annotated[float, option("--lr", "Peak AdamW learning rate.")] = 1e-3,
+    seed: Annotated[int, option("--seed", "Seed: the same seed and data give the same head.")] = 0,
+    heldout: Annotated[float, option("--heldout", "Fraction of sequences held out.")] = 0.05,
+    eval_every: Annotated[int, option("--eval-every", "Steps between evaluations.")] = 100,
+    checkpoint_every: Annotated[
+        int, option("--checkpoint-every", "Steps between checkpoints.")
+    ] = 20,
     vocab: Annotated[
-        str, typer.Option(help="Softmax over 'seen' target tokens (fast) or the 'full' vocabulary.")
+        str,
+        option("--vocab", "Softmax over 'seen' target tokens (fast) or the 'full' vocabulary."),
     ] = "seen",
     prompt_weight: Annotated[
         float,
-        typer.Option(
-            min=0.0, max=1.0, help="Loss weight of prompt positions (0: train on answers only)."
-        ),
+        option("--prompt-weight", "Loss weight of prompt positions (0: train on answers only)."),
     ] = 0.5,
     feature_weight: Annotated[
         float,
-        typer.Option(
-            min=0.0,
-            help="Weight of the feature loss (head output vs the model's next hidden state).",
+        option(
+            "--feature-weight",
+            "Weight of the feature loss (head output vs the model's next hidden state).",
         ),
     ] = 1.0,
     max_steps: Annotated[
-        int | None, typer.Option(min=1, help="Stop after this many steps (resumable).")
+        int | None, option("--max-steps", "Stop after this many steps (resumable).")
     ] = None,
     draft_vocab: Annotated[
         int,
-        typer.Option(
-            min=0,
-            help="Tokens the head drafts from, the most frequent in the data "
-            "(0: the whole vocabulary).",
+        option(
+            "--draft-vocab",
+            "Tokens the head drafts from, the most frequent in the data (0: the whole vocabulary).",
         ),
     ] = 8192,
-    max_len: Annotated[int, typer.Option(min=8, help="Longest sequence, in tokens.")] = 1280,
+    max_len: Annotated[int, option("--max-len", "Longest sequence, in tokens.")] = 1280,
     gen_batch: Annotated[
-        int, typer.Option(min=1, help="Prompts answered at once when generating.")
+        int, option("--gen-batch", "Prompts answered at once when generating.")
     ] = 16,
-    dtype: Annotated[str | None, typer.Option(help="Runtime dtype of the frozen model.")] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(min=1, help="torch CPU threads (1 is fastest on a crowded machine)."),
-    ] = None,
+    dtype: DtypeOpt = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Train an MTP head for a model on its own predictions (self-distillation)."""
     try:
@@ -137,12 +129,10 @@ def train_mtp_command(
         )
         runtime = RuntimeConfig(num_slots=gen_batch, max_len=max_len, dtype=dtype, mtp=False)
     except ValueError as exc:
-        STDERR.print(f"error: {exc}")
-        raise typer.Exit(2) from exc
+        raise config_error(exc, {"num_slots": "--gen-batch"}) from exc
     missing = [str(p) for p in data if not p.exists()]
     if missing:
-        STDERR.print(f"error: training data not found: {', '.join(missing)}")
-        raise typer.Exit(2)
+        raise typer.BadParameter(f"not found: {', '.join(missing)}", param_hint="--data")
     work = work_dir or out.with_name(out.name + ".work")
     if threads is not None:
         import torch
@@ -169,11 +159,11 @@ def run_training(
     try:
         loaded = load_model(model, runtime)
     except (ValueError, RuntimeError, OSError) as exc:
-        STDERR.print(f"error: {exc}")
-        raise typer.Exit(2) from exc
+        raise load_error(exc, None) from exc
     if not isinstance(loaded.model, LlamaModel):
-        STDERR.print("error: train-mtp needs a model of metrale's own Llama-family runtime")
-        raise typer.Exit(2)
+        raise typer.BadParameter(
+            "train-mtp needs a model of metrale's own Llama-family runtime", param_hint="--model"
+        )
     with _progress(STDERR) as bars:
         tasks: dict[str, Any] = {}
 

@@ -2,7 +2,9 @@
 
 Each part of the engine receives only its own settings: the scheduler takes
 ``EngineConfig``; prompt lookup takes ``metrale.lookup.PromptLookupConfig``;
-the model loader takes ``RuntimeConfig``.
+the model loader takes ``RuntimeConfig``. A message about a bad value names
+the setting first, as its field (``max_batch must be at least 1``): the
+engine knows no flags, and the CLI says which flag sets that field.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from pathlib import Path
 
 from metrale.lookup import PromptLookupConfig
 
-# Measured on the default model and its head (sample prompts, greedy): a
-# first draft the head gives >= 0.3 is accepted 55% of the time, one below
-# 0.3 only 13%, and on a CPU a verify row costs about a tenth of a step.
+# A draft the MTP module itself gives less than this is accepted far less
+# often than one it is sure of, yet costs the same verify row: the chain
+# stops there rather than pay for rows that are mostly thrown away.
 MTP_MIN_PROB = 0.3
 
 
@@ -23,8 +25,10 @@ class MtpLadder:
     """MTP chain length by number of running sequences.
 
     ``steps`` are ``(max_running, drafts)`` pairs in increasing ``max_running``;
-    a batch wider than every step drafts ``beyond`` tokens. The default is the
-    seed server's: 3 drafts up to 8 sequences, 2 up to 15, 1 from 16 on.
+    a batch wider than every step drafts ``beyond`` tokens. The default drafts
+    a chain of 3 while at most 8 sequences run, 2 up to 15, 1 from 16 on: each
+    draft costs a verify row per sequence, so the wider the batch, the less a
+    long chain that is often cut short is worth.
     """
 
     steps: tuple[tuple[int, int], ...] = ((8, 3), (15, 2))
@@ -34,12 +38,16 @@ class MtpLadder:
         last = 0
         for max_running, drafts in self.steps:
             if max_running <= last:
-                raise ValueError("--mtp-drafts: batch sizes must increase, e.g. '8:3,15:2,1'")
+                raise ValueError("mtp_ladder: batch sizes must increase, e.g. '8:3,15:2,1'")
             if drafts < 0:
-                raise ValueError("--mtp-drafts: draft counts must be 0 or more")
+                raise ValueError("mtp_ladder: draft counts must be 0 or more")
             last = max_running
         if self.beyond < 0:
-            raise ValueError("--mtp-drafts: draft counts must be 0 or more")
+            raise ValueError("mtp_ladder: draft counts must be 0 or more")
+
+    def text(self) -> str:
+        """The ladder as ``parse`` reads it: ``"8:3,15:2,1"`` for the default."""
+        return ",".join([*(f"{n}:{d}" for n, d in self.steps), str(self.beyond)])
 
     def drafts_for(self, running: int) -> int:
         for max_running, drafts in self.steps:
@@ -52,7 +60,7 @@ class MtpLadder:
         """Parses ``"8:3,15:2,1"`` (or a single ``"3"`` for every batch size)."""
         parts = [p.strip() for p in text.split(",") if p.strip()]
         if not parts:
-            raise ValueError("--mtp-drafts: empty ladder")
+            raise ValueError("mtp_ladder: empty ladder")
         try:
             steps = tuple((int(p.split(":")[0]), int(p.split(":")[1])) for p in parts if ":" in p)
             tail = [p for p in parts if ":" not in p]
@@ -61,7 +69,7 @@ class MtpLadder:
             beyond = int(tail[0]) if tail else steps[-1][1]
         except (ValueError, IndexError) as exc:
             raise ValueError(
-                f"--mtp-drafts: cannot parse {text!r}; expected e.g. '8:3,15:2,1' or '3'"
+                f"mtp_ladder: cannot parse {text!r}; expected e.g. '8:3,15:2,1' or '3'"
             ) from exc
         return cls(steps=steps, beyond=beyond)
 
@@ -75,9 +83,9 @@ class SharedLookupSettings:
 
     def __post_init__(self) -> None:
         if self.cache_mb < 0:
-            raise ValueError("--prompt-lookup-shared-cache-mb must be 0 (off) or more")
+            raise ValueError(f"cache_mb must be 0 (off) or more, got {self.cache_mb}")
         if self.scopes < 1:
-            raise ValueError("--prompt-lookup-shared-cache-scopes must be at least 1")
+            raise ValueError(f"scopes must be at least 1, got {self.scopes}")
 
 
 @dataclass(frozen=True)
@@ -98,11 +106,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
-            raise ValueError("--max-batch must be at least 1")
+            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.prefill_chunk < 1:
-            raise ValueError("prefill chunk must be at least 1 token")
+            raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
         if not 0.0 <= self.mtp_min_prob < 1.0:
-            raise ValueError("--mtp-min-prob must be in [0, 1)")
+            raise ValueError(f"mtp_min_prob must be in [0, 1), got {self.mtp_min_prob}")
 
 
 @dataclass(frozen=True)
@@ -131,10 +139,10 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
-            raise ValueError("--max-batch must be at least 1")
+            raise ValueError(f"num_slots must be at least 1, got {self.num_slots}")
         if self.max_len is not None and self.max_len < 2:
-            raise ValueError("max_len must be at least 2 tokens")
+            raise ValueError(f"max_len must be at least 2, got {self.max_len}")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError("--dtype must be one of float32, bfloat16, float16")
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
         if self.weights not in ("auto", "dense"):
-            raise ValueError("--weights must be auto or dense")
+            raise ValueError(f"weights must be auto or dense, got {self.weights!r}")

@@ -2,7 +2,8 @@
 
 Contract: ``pick_device(None)`` is CUDA when available, else the CPU;
 ``pick_dtype(None, device)`` is bfloat16 on CUDA and ``CPU_DEFAULT_DTYPE`` on
-the CPU. Explicit names are validated with a message listing the choices.
+the CPU. Explicit names are validated with a message that names the setting
+(``device``, ``dtype``) and lists the choices.
 
 Why float32 on the CPU: a CPU without a native bfloat16 dot product (AVX2
 without avx512_bf16, as on the machines this is built on) has oneDNN convert
@@ -26,9 +27,9 @@ def pick_device(name: str | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available here; use --device cpu")
+        raise ValueError(f"device must be cpu here (CUDA is not available), got {name!r}")
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+        raise ValueError(f"device must be cpu or cuda (cuda:N), got {name!r}")
     return device
 
 
@@ -36,7 +37,7 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name is None:
         return torch.bfloat16 if device.type == "cuda" else CPU_DEFAULT_DTYPE
     if name not in DTYPES:
-        raise ValueError(f"--dtype {name}: choose one of {', '.join(DTYPES)}")
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
 
 
