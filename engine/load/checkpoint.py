@@ -6,7 +6,10 @@ index (``model.safetensors`` or shards named by
 ``ArchSpec`` the runtime builds from, the transformers config (for RoPE
 scalings), the raw config dict (MTP fields that transformers drops) and a
 ``WeightStore`` that reads one tensor at a time. An architecture outside the
-Llama family is refused with a message naming what is supported.
+Llama family is refused with a message naming what is supported; so is a
+quantization other than block FP8, or a tensor the config does not account
+for (``load/quant.py``). ``quant`` is the block FP8 the store dequantizes,
+``None`` for a plain checkpoint.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from metrale.engine.load.quant import check_tensors, read_quant
 from metrale.engine.runtime.arch import ArchSpec, CheckpointError
+from metrale.engine.runtime.fp8 import BlockFp8
 from metrale.engine.runtime.weights import WeightStore
 
 # model_type -> the family whose block it uses. MiMo is a Qwen2 base with MTP
@@ -38,6 +43,7 @@ class Checkpoint:
     hf_config: Any  # transformers.PretrainedConfig
     raw_config: dict[str, Any]
     weights: WeightStore
+    quant: BlockFp8 | None = None
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
@@ -51,9 +57,12 @@ def read_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(
             f"unsupported architecture {model_type or '?'} ({archs}); supported: {SUPPORTED}"
         )
+    quant = read_quant(raw)
     hf_config = _transformers_config(raw, FAMILIES[model_type])
     spec = _arch_spec(hf_config, model_type, FAMILIES[model_type])
-    return Checkpoint(path, spec, hf_config, raw, WeightStore.open_folder(path))
+    weights = WeightStore.open_folder(path, quant)
+    check_tensors(weights.headers(), quant)
+    return Checkpoint(path, spec, hf_config, raw, weights, quant)
 
 
 def _transformers_config(raw: dict[str, Any], family: str) -> Any:

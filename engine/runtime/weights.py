@@ -4,45 +4,66 @@ Contract: a ``WeightStore`` maps tensor names to the file that holds them and
 reads one tensor (or one header) per call, so no more than one weight is held
 by the store at a time. A name that is missing, or a file that cannot be read,
 raises ``CheckpointError`` naming it.
+
+The store is the one place that knows how weights are stored. Built with a
+``BlockFp8`` (``runtime/fp8.py``), ``get`` returns each FP8 weight
+dequantized to float32 from its scale, and the scales are not weights:
+``names()``, ``in`` and ``get`` know them not. Every other tensor comes back
+in the dtype it is stored in; callers cast.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from metrale.engine.runtime.arch import CheckpointError
+from metrale.engine.runtime.fp8 import BlockFp8, dequantize
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """A stored tensor as its safetensors header gives it."""
+
+    dtype: str  # safetensors' name: "F32", "BF16", "F8_E4M3", "I32", ...
+    shape: tuple[int, ...]
 
 
 class WeightStore:
     """Names -> safetensors file; tensors are read on demand."""
 
-    def __init__(self, files: dict[str, Path]) -> None:
-        self.files = files
+    def __init__(self, files: dict[str, Path], quant: BlockFp8 | None = None) -> None:
+        """``files``: every stored tensor, scales included; ``quant``: how FP8
+        weights are laid out (``None``: the checkpoint declares no quantization)."""
+        self.quant = quant
+        self.stored = files
+        scales = {quant.scale_name(n) for n in files} & files.keys() if quant else set()
+        self.files = {name: file for name, file in files.items() if name not in scales}
 
     @classmethod
-    def open_folder(cls, folder: Path) -> WeightStore:
+    def open_folder(cls, folder: Path, quant: BlockFp8 | None = None) -> WeightStore:
         """``model.safetensors``, or the shards ``model.safetensors.index.json`` names."""
         index = folder / "model.safetensors.index.json"
         single = folder / "model.safetensors"
         if index.exists():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            return cls({name: folder / file for name, file in weight_map.items()})
+            return cls({name: folder / file for name, file in weight_map.items()}, quant)
         if single.exists():
-            return cls.open_file(single)
+            return cls.open_file(single, quant)
         raise CheckpointError(
             f"{folder} has no model.safetensors or model.safetensors.index.json "
             "(only safetensors weights are read)"
         )
 
     @classmethod
-    def open_file(cls, file: Path) -> WeightStore:
+    def open_file(cls, file: Path, quant: BlockFp8 | None = None) -> WeightStore:
         try:
             with safe_open(str(file), framework="pt") as handle:
-                return cls(dict.fromkeys(handle.keys(), file))
+                return cls(dict.fromkeys(handle.keys(), file), quant)
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read {file}: {exc}") from exc
 
@@ -55,8 +76,9 @@ class WeightStore:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.files:
             raise CheckpointError(f"weight {name!r} is missing from the checkpoint")
-        with safe_open(str(self.files[name]), framework="pt") as handle:
-            tensor: torch.Tensor = handle.get_tensor(name)
+        tensor = self._read(name)
+        if tensor.dtype == torch.float8_e4m3fn:
+            return self._dequantized(name, tensor)
         return tensor
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -65,3 +87,38 @@ class WeightStore:
             raise CheckpointError(f"weight {name!r} is missing from the checkpoint")
         with safe_open(str(self.files[name]), framework="pt") as handle:
             return tuple(handle.get_slice(name).get_shape())
+
+    def headers(self) -> dict[str, TensorHeader]:
+        """Every stored tensor, scales included, from the headers only (each
+        file is opened once)."""
+        by_file: dict[Path, list[str]] = {}
+        for name, file in self.stored.items():
+            by_file.setdefault(file, []).append(name)
+        out: dict[str, TensorHeader] = {}
+        for file, names in by_file.items():
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    for name in names:
+                        piece = handle.get_slice(name)
+                        out[name] = TensorHeader(piece.get_dtype(), tuple(piece.get_shape()))
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(f"cannot read {file}: {exc}") from exc
+        return out
+
+    def _read(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.stored[name]), framework="pt") as handle:
+            tensor: torch.Tensor = handle.get_tensor(name)
+        return tensor
+
+    def _dequantized(self, name: str, q: torch.Tensor) -> torch.Tensor:
+        """``q`` [..., out, in] as the float32 its block scales make of it."""
+        if self.quant is None:
+            raise CheckpointError(
+                f"tensor {name!r} is stored in FP8 but config.json declares no quantization_config"
+            )
+        scale_name = self.quant.scale_name(name)
+        scale = self._read(scale_name) if scale_name in self.stored else None
+        found = None if scale is None else tuple(scale.shape)
+        self.quant.check_scale(name, tuple(q.shape), found)
+        assert scale is not None
+        return dequantize(q, scale, self.quant.block)  # [..., out, in]
