@@ -36,6 +36,25 @@ from metrale.engine.train.trainer import EvalReport, TrainConfig, TrainProgress
 
 STDERR = Console(stderr=True)
 
+# TrainConfig's fields are set by the flags of the same names; the generation
+# batch is `--gen-batch` here.
+TRAIN_FLAGS = {
+    "num_slots": "--gen-batch",
+    **{
+        field: "--" + field.replace("_", "-")
+        for field in (
+            "epochs",
+            "batch_tokens",
+            "lr",
+            "heldout",
+            "prompt_weight",
+            "feature_weight",
+            "vocab",
+            "draft_vocab",
+        )
+    },
+}
+
 
 def _progress(console: Console) -> Progress:
     return Progress(
@@ -129,7 +148,7 @@ def train_mtp_command(
         )
         runtime = RuntimeConfig(num_slots=gen_batch, max_len=max_len, dtype=dtype, mtp=False)
     except ValueError as exc:
-        raise config_error(exc, {"num_slots": "--gen-batch"}) from exc
+        raise config_error(exc, TRAIN_FLAGS) from exc
     missing = [str(p) for p in data if not p.exists()]
     if missing:
         raise typer.BadParameter(f"not found: {', '.join(missing)}", param_hint="--data")

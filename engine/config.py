@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metrale.lookup import PromptLookupConfig
+from metrale.lookup import PromptLookupConfig, SharedLookupConfig
 
 # A draft the MTP module itself gives less than this is accepted far less
 # often than one it is sure of, yet costs the same verify row: the chain
@@ -111,6 +111,20 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
         if not 0.0 <= self.mtp_min_prob < 1.0:
             raise ValueError(f"mtp_min_prob must be in [0, 1), got {self.mtp_min_prob}")
+        self.shared_lookup_config()  # a cache too small for its scopes is refused here
+
+    def shared_lookup_config(self) -> SharedLookupConfig | None:
+        """The cross-request cache's settings; None when it is off (no cache
+        memory, or prompt lookup off)."""
+        settings, lookup = self.shared_lookup, self.prompt_lookup
+        if lookup is None or settings.cache_mb <= 0:
+            return None
+        return SharedLookupConfig(
+            cache_mb=settings.cache_mb,
+            scopes=settings.scopes,
+            ngram=lookup.ngram,
+            min_match=lookup.min_match,
+        )
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from metrale.engine.spec.copies import (
 )
 from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 from metrale.engine.stats import EngineStats, RunCounters
-from metrale.lookup import LookupStats, ScopeKey, SharedLookup, SharedLookupConfig
+from metrale.lookup import LookupStats, ScopeKey, SharedLookup
 
 if TYPE_CHECKING:
     from metrale.engine.load.loader import LoadedModel
@@ -77,7 +77,8 @@ class Engine:
         self._drafter = MtpDrafter(mtp[0], config.mtp_min_prob) if mtp and config.mtp else None
         self._eos = frozenset(eos_token_ids)
         self._scope_fields = (model_name, tokenizer_name, adapter)
-        self._shared = _shared_lookup(config)
+        shared = config.shared_lookup_config()
+        self._shared = SharedLookup(shared) if shared is not None else None
         self._num_slots = min(model.num_slots, config.max_batch)
         self._max_len = model.max_len
         if self._drafter is not None:
@@ -387,17 +388,3 @@ def _as_decode(tokenizer: Any) -> Decode | None:
     if callable(tokenizer):
         return tokenizer
     raise TypeError("tokenizer must have a decode(ids) method or be a decode callable")
-
-
-def _shared_lookup(config: EngineConfig) -> SharedLookup | None:
-    settings, lookup = config.shared_lookup, config.prompt_lookup
-    if lookup is None or settings.cache_mb <= 0:
-        return None
-    return SharedLookup(
-        SharedLookupConfig(
-            cache_mb=settings.cache_mb,
-            scopes=settings.scopes,
-            ngram=lookup.ngram,
-            min_match=lookup.min_match,
-        )
-    )

@@ -47,11 +47,11 @@ class PromptLookupConfig:
     miss_backoff: int = 16
 
     def __post_init__(self) -> None:
-        _check_range("--prompt-lookup-ngram", self.ngram, 1, 64)
-        _check_range("--prompt-lookup-max-drafts", self.max_drafts, 1, 256)
-        _check_range("--prompt-lookup-max-seqs", self.max_seqs, 1, 1 << 20)
-        _check_range("--prompt-lookup-min-match", self.min_match, 1, 4096)
-        _check_range("--prompt-lookup-miss-backoff", self.miss_backoff, 0, 1 << 20)
+        _check_range("ngram", self.ngram, 1, 64)
+        _check_range("max_drafts", self.max_drafts, 1, 256)
+        _check_range("max_seqs", self.max_seqs, 1, 1 << 20)
+        _check_range("min_match", self.min_match, 1, 4096)
+        _check_range("miss_backoff", self.miss_backoff, 0, 1 << 20)
 
     @property
     def effective_min_match(self) -> int:
@@ -59,11 +59,11 @@ class PromptLookupConfig:
         return max(self.min_match, self.ngram)
 
 
-def _check_range(flag: str, value: int, low: int, high: int) -> None:
+def _check_range(field: str, value: int, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{flag} must be an integer, got {value!r}")
+        raise ValueError(f"{field} must be an integer, got {value!r}")
     if not low <= value <= high:
-        raise ValueError(f"{flag} must be between {low} and {high}, got {value}")
+        raise ValueError(f"{field} must be between {low} and {high}, got {value}")
 
 
 class PromptLookupSeq:

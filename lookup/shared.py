@@ -67,32 +67,26 @@ class SharedLookupConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.cache_mb < float("inf"):
-            raise ValueError(
-                f"--prompt-lookup-shared-cache-mb must be above 0 for a shared cache, "
-                f"got {self.cache_mb}"
-            )
+            raise ValueError(f"cache_mb must be above 0 for a shared cache, got {self.cache_mb}")
         if self.scopes < 1:
-            raise ValueError(
-                f"--prompt-lookup-shared-cache-scopes must be at least 1, got {self.scopes}"
-            )
+            raise ValueError(f"scopes must be at least 1, got {self.scopes}")
         if not 1 <= self.ngram <= 64:
-            raise ValueError(f"--prompt-lookup-ngram must be between 1 and 64, got {self.ngram}")
+            raise ValueError(f"ngram must be between 1 and 64, got {self.ngram}")
         if self.min_match < 1:
-            raise ValueError(f"--prompt-lookup-min-match must be at least 1, got {self.min_match}")
+            raise ValueError(f"min_match must be at least 1, got {self.min_match}")
         if self.scope_tokens < MIN_SCOPE_TOKENS:
             need_mb = (
                 self.scopes * (MIN_SCOPE_TOKENS * _BYTES_PER_TOKEN + _SCOPE_OVERHEAD_BYTES) / 2**20
             )
             raise ValueError(
-                f"--prompt-lookup-shared-cache-mb {self.cache_mb} split over "
-                f"--prompt-lookup-shared-cache-scopes {self.scopes} leaves room for "
-                f"{max(self.scope_tokens, 0)} tokens per scope; a scope needs at least "
+                f"cache_mb: {self.cache_mb} MB split over {self.scopes} scopes leaves room "
+                f"for {max(self.scope_tokens, 0)} tokens per scope; a scope needs at least "
                 f"{MIN_SCOPE_TOKENS}: raise the cache to {need_mb:.3f} MB or use fewer scopes"
             )
         if self.effective_min_match > self.scope_tokens // 2:
             raise ValueError(
-                "--prompt-lookup-min-match is too long for a scope of "
-                f"{self.scope_tokens} tokens; use at most {self.scope_tokens // 2}"
+                f"min_match must be at most {self.scope_tokens // 2} for a scope of "
+                f"{self.scope_tokens} tokens"
             )
 
     @property

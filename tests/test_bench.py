@@ -211,7 +211,10 @@ def test_sweep_parses_its_values(text: str, parameter: str, values: tuple[int, .
         ("prompt-lookup-max-drafts=1,,2", "comma-separated integers"),
         ("prompt-lookup-max-drafts=1,two", "'two' is not an integer"),
         ("prompt-lookup-max-drafts=4,4", "4 is given twice"),
-        ("prompt-lookup-max-drafts=0,8", "--prompt-lookup-max-drafts must be between 1 and 256"),
+        (
+            "prompt-lookup-max-drafts=0,8",
+            "prompt-lookup-max-drafts=0: max_drafts must be between 1 and 256",
+        ),
         ("prompt-lookup-ngram=2,65", "prompt-lookup-ngram=65"),
         ("mtp-drafts=-1", "0 or more"),
     ],

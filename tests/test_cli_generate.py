@@ -153,6 +153,11 @@ def test_engine_failure_is_an_error_record_and_exit_1(opener: FakeOpener) -> Non
         (["--resume"], {}, "--resume: needs -o OUTPUT"),
         (["missing.jsonl"], {}, "no such file: missing.jsonl"),
         (["--order", "random"], {}, "'--order'"),
+        (
+            ["--prompt-lookup-shared-cache-mb", "0.01"],
+            {},
+            "--prompt-lookup-shared-cache-mb: 0.01 MB split over 4 scopes",
+        ),
     ],
 )
 def test_usage_errors_exit_2_naming_the_flag(

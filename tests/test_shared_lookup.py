@@ -177,10 +177,10 @@ def test_every_copy_is_a_genuine_continuation_in_one_request(requests, history, 
     )
 
 
-def test_too_small_scope_is_a_configuration_error_naming_both_flags():
-    with pytest.raises(ValueError, match="--prompt-lookup-shared-cache-mb") as err:
+def test_too_small_scope_is_a_configuration_error_naming_the_cache_and_its_scopes():
+    with pytest.raises(ValueError, match=r"^cache_mb: 0.01 MB split over 4 scopes") as err:
         SharedLookupConfig(cache_mb=0.01, scopes=4)
-    assert "--prompt-lookup-shared-cache-scopes" in str(err.value)
+    assert "fewer scopes" in str(err.value)
     assert SharedLookupConfig(cache_mb=0.01, scopes=1).scope_tokens >= 1024
 
 

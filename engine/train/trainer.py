@@ -98,23 +98,23 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
-            raise ValueError("--epochs must be at least 1")
+            raise ValueError("epochs must be at least 1")
         if self.batch_tokens < 1:
-            raise ValueError("--batch-tokens must be at least 1")
+            raise ValueError("batch_tokens must be at least 1")
         if not self.lr > 0:
-            raise ValueError("--lr must be positive")
+            raise ValueError("lr must be positive")
         if not 0.0 <= self.heldout < 1.0:
-            raise ValueError("--heldout must be in [0, 1)")
+            raise ValueError("heldout must be in [0, 1)")
         if self.chain_depth < 1:
             raise ValueError("the evaluated chain depth must be at least 1")
         if not 0.0 <= self.prompt_weight <= 1.0:
-            raise ValueError("--prompt-weight must be in [0, 1]")
+            raise ValueError("prompt_weight must be in [0, 1]")
         if self.feature_weight < 0:
-            raise ValueError("--feature-weight must be 0 (off) or more")
+            raise ValueError("feature_weight must be 0 (off) or more")
         if self.vocab not in ("seen", "full"):
-            raise ValueError("--vocab must be 'seen' or 'full'")
+            raise ValueError("vocab must be 'seen' or 'full'")
         if self.draft_vocab < 0:
-            raise ValueError("--draft-vocab must be 0 (the whole vocabulary) or more")
+            raise ValueError("draft_vocab must be 0 (the whole vocabulary) or more")
 
 
 def draft_vocabulary(
