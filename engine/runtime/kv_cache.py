@@ -21,6 +21,7 @@ so that memory is only committed as positions are written.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -157,6 +158,13 @@ def _attention_mask(
     return allowed.unsqueeze(1)  # [S, 1, max_rows, ctx_len]
 
 
+def zero_filled(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's cache tensor, all zeros: written out when small, left to the
+    kernel's fresh pages when large and on the CPU (see module doc)."""
+    lazy = device.type == "cpu" and math.prod(shape) * dtype.itemsize >= _LAZY_ZERO_BYTES
+    return (torch.empty if lazy else torch.zeros)(shape, dtype=dtype, device=device)
+
+
 class SlotKVCache:
     """Per-layer key/value tensors ``[num_slots, num_kv_heads, max_len, head_dim]``."""
 
@@ -171,11 +179,8 @@ class SlotKVCache:
         device: torch.device,
     ) -> None:
         shape = (num_slots, num_kv_heads, max_len, head_dim)
-        layer_bytes = num_slots * num_kv_heads * max_len * head_dim * dtype.itemsize
-        lazy = device.type == "cpu" and layer_bytes >= _LAZY_ZERO_BYTES
-        alloc = torch.empty if lazy else torch.zeros
-        self.keys = [alloc(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [alloc(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [zero_filled(shape, dtype, device) for _ in range(num_layers)]
+        self.values = [zero_filled(shape, dtype, device) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.max_len = max_len
         self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
