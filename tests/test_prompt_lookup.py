@@ -259,7 +259,7 @@ def test_config_rejects_out_of_range_values_naming_the_field(field, value):
         PromptLookupConfig(**{field: value})
 
 
-def test_config_defaults_match_the_design():
+def test_config_defaults_are_the_ones_the_readme_documents():
     cfg = PromptLookupConfig()
     assert (cfg.ngram, cfg.max_drafts, cfg.max_seqs, cfg.min_match, cfg.miss_backoff) == (
         4,
