@@ -59,9 +59,11 @@ bench: setup
 bench-lookup: setup
 	$(PY) -m metrale.lookup.bench
 
-# Forward time of metrale's runtime next to transformers' on the default model.
+# Forward time of metrale's runtime next to transformers' on the default model,
+# then on a random MoE checkpoint (8 experts, 2 active, hidden 512, 8 layers).
 bench-runtime: setup
 	$(PY) -m metrale.engine.bench.runtime
+	$(PY) -m metrale.engine.bench.runtime --moe
 
 # The batch engine next to transformers' greedy generate (batch 1 and 16, same
 # dtype and threads), and the engine with speculation over without.

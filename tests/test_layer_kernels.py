@@ -17,8 +17,9 @@ from metrale.engine.engine import Engine
 from metrale.engine.kernels.binding import PackedKernel, packed_kernel
 from metrale.engine.load.loader import load_model
 from metrale.engine.runtime.kv_cache import RowPlan, SlotKVCache, plan_rows
-from metrale.engine.runtime.llama import KERNEL_ATTENTION_ROWS, rms_norm
+from metrale.engine.runtime.llama import KERNEL_ATTENTION_ROWS
 from metrale.engine.runtime.model import Segment
+from metrale.engine.runtime.ops import rms_norm
 from metrale.engine.runtime.rope import apply_rope
 from metrale.lookup import PromptLookupConfig
 from tests.checkpoints import write_tiny_checkpoint

@@ -20,20 +20,30 @@ from pathlib import Path
 from typing import Any
 
 from metrale.engine.load.quant import check_tensors, read_quant
-from metrale.engine.runtime.arch import ArchSpec, CheckpointError
+from metrale.engine.runtime.arch import ArchSpec, CheckpointError, MoeSpec
 from metrale.engine.runtime.fp8 import BlockFp8
 from metrale.engine.runtime.weights import WeightStore
 
-# model_type -> the family whose block it uses. MiMo is a Qwen2 base with MTP
-# layers that transformers has no class for.
+# model_type -> the transformers config class that reads its config.json. MiMo
+# is a Qwen2 base with MTP layers that transformers has no class for.
 FAMILIES = {
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "mimo": "qwen2",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+    "glm4_moe": "glm4_moe",
 }
-SUPPORTED = "Llama, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, MiMo"
+SUPPORTED = (
+    "Llama, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, MiMo, Qwen2-MoE, Qwen3-MoE, GLM-4.5 (glm4_moe)"
+)
+# Families that route by softmax (Qwen) and by grouped sigmoid (DeepSeek, GLM).
+_SOFTMAX_MOE = ("qwen2_moe", "qwen3_moe")
+_SIGMOID_MOE = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
+# Linear-attention hybrids, refused by name even when layer_types is not written.
+_LINEAR_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path} is not a checkpoint folder: config.json is missing")
     raw: dict[str, Any] = json.loads(config_file.read_text())
     model_type = str(raw.get("model_type", ""))
+    refuse_unsupported_layers(raw)
     if model_type not in FAMILIES:
         archs = ", ".join(raw.get("architectures") or []) or "unknown"
         raise CheckpointError(
@@ -72,6 +83,27 @@ def _transformers_config(raw: dict[str, Any], family: str) -> Any:
     return AutoConfig.for_model(family, **fields)
 
 
+def refuse_unsupported_layers(raw: dict[str, Any]) -> None:
+    """Refuses, naming the config field, layer kinds the runtime cannot run
+    exactly, whatever the family: linear-attention (recurrent) layers, whose
+    state cannot yet be rolled back per draft position, and sliding-window
+    layers mixed with full ones."""
+    kinds = set(raw.get("layer_types") or ())
+    hybrid = str(raw.get("model_type", "")) in _LINEAR_HYBRIDS
+    if "linear_attention" in kinds or hybrid:
+        field = "layer_types has linear_attention layers" if not hybrid else "model_type"
+        raise CheckpointError(
+            f"{field} ({raw.get('model_type')}, a linear-attention hybrid such as Qwen3-Next "
+            "or Qwen3.5): its recurrent state cannot yet be rolled back per draft position, "
+            "so metrale does not load it"
+        )
+    if kinds - {"full_attention"}:
+        raise CheckpointError(
+            f"layer_types has {', '.join(sorted(kinds - {'full_attention'}))} layers; "
+            "metrale runs full-attention layers only"
+        )
+
+
 def _arch_spec(config: Any, model_type: str, family: str) -> ArchSpec:
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
@@ -79,7 +111,8 @@ def _arch_spec(config: Any, model_type: str, family: str) -> ArchSpec:
     if getattr(config, "mlp_bias", False):
         raise CheckpointError("mlp_bias=True is not supported")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    window = _sliding_window(config, family)
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    glm = family == "glm4_moe"
     return ArchSpec(
         model_type=model_type,
         family=family,
@@ -93,18 +126,85 @@ def _arch_spec(config: Any, model_type: str, family: str) -> ArchSpec:
         rms_norm_eps=float(config.rms_norm_eps),
         tie_embeddings=bool(config.tie_word_embeddings),
         context_len=int(config.max_position_embeddings),
-        qkv_bias=family == "qwen2" or bool(getattr(config, "attention_bias", False)),
-        qk_norm=family == "qwen3",
-        sliding_window=window,
+        qkv_bias=family in ("qwen2", "qwen2_moe") or attention_bias,
+        qk_norm=family in ("qwen3", "qwen3_moe") or (glm and bool(config.use_qk_norm)),
+        sliding_window=_sliding_window(config, family),
+        rotary_dim=_rotary_dim(config, head_dim),
+        # Llama and Mistral put attention_bias on o_proj too; GLM-4.5 on q/k/v only.
+        o_bias=attention_bias and family in ("llama", "mistral"),
+        moe=_moe_spec(config, family),
     )
+
+
+def _rotary_dim(config: Any, head_dim: int) -> int | None:
+    """GLM-4.5's rotary dims per head (``partial_rotary_factor``); None: all."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if factor is None or float(factor) >= 1.0:
+        return None
+    dim = int(head_dim * float(factor))
+    if dim % 2 or dim <= 0:
+        raise CheckpointError(
+            f"partial_rotary_factor {factor} gives {dim} rotary dims of {head_dim}: not a "
+            "positive even number"
+        )
+    return dim
+
+
+def _moe_spec(config: Any, family: str) -> MoeSpec | None:
+    num_layers = int(config.num_hidden_layers)
+    if family in _SOFTMAX_MOE:
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        only = set(getattr(config, "mlp_only_layers", None) or ())
+        qwen2 = family == "qwen2_moe"
+        return MoeSpec(
+            num_experts=int(config.num_experts),
+            experts_per_token=int(config.num_experts_per_tok),
+            expert_size=int(config.moe_intermediate_size),
+            routing="softmax",
+            norm_topk_prob=bool(config.norm_topk_prob),
+            shared_size=int(config.shared_expert_intermediate_size) if qwen2 else 0,
+            shared_gate=qwen2,
+            dense_layers=frozenset(i for i in range(num_layers) if i in only or (i + 1) % step),
+        )
+    if family in _SIGMOID_MOE:
+        _check_routing(config)
+        kinds = getattr(config, "mlp_layer_types", None)
+        if kinds is not None:  # GLM-4.7-Flash names each layer's MLP
+            dense = frozenset(i for i, kind in enumerate(kinds) if kind == "dense")
+        else:
+            dense = frozenset(range(int(getattr(config, "first_k_dense_replace", 0) or 0)))
+        return MoeSpec(
+            num_experts=int(config.n_routed_experts),
+            experts_per_token=int(config.num_experts_per_tok),
+            expert_size=int(config.moe_intermediate_size),
+            routing="sigmoid_grouped",
+            norm_topk_prob=bool(config.norm_topk_prob),
+            routed_scaling_factor=float(config.routed_scaling_factor),
+            num_groups=int(getattr(config, "n_group", 1) or 1),
+            topk_groups=int(getattr(config, "topk_group", 1) or 1),
+            num_shared=int(getattr(config, "n_shared_experts", 0) or 0),
+            dense_layers=dense,
+        )
+    return None
+
+
+def _check_routing(config: Any) -> None:
+    """DeepSeek-V3-style routing only: sigmoid scores chosen by ``noaux_tc``."""
+    scoring = getattr(config, "scoring_func", "sigmoid")
+    if scoring not in (None, "sigmoid"):
+        raise CheckpointError(f"scoring_func {scoring!r} is not supported (only sigmoid)")
+    method = getattr(config, "topk_method", "noaux_tc")
+    if method not in (None, "noaux_tc"):
+        raise CheckpointError(f"topk_method {method!r} is not supported (only noaux_tc)")
 
 
 def _sliding_window(config: Any, family: str) -> int | None:
     window = getattr(config, "sliding_window", None)
     if family == "mistral":
         return int(window) if window else None
-    if family in ("qwen2", "qwen3") and getattr(config, "use_sliding_window", False):
+    if getattr(config, "use_sliding_window", False):
         raise CheckpointError(
-            "Qwen sliding-window attention (use_sliding_window=true) is not supported"
+            "use_sliding_window=true: Qwen sliding-window attention is not supported"
         )
     return None

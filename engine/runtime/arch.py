@@ -8,7 +8,10 @@ builds its forward from it alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
+
+Routing = Literal["softmax", "sigmoid_grouped"]
 
 
 class CheckpointError(ValueError):
@@ -16,8 +19,78 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """A mixture-of-experts MLP, as the MoE configs define it.
+
+    ``routing``: ``"softmax"`` (Qwen2/3-MoE: softmax over every expert, top-k,
+    renormalised when ``norm_topk_prob``) or ``"sigmoid_grouped"``
+    (DeepSeek-V3, GLM-4.5: sigmoid scores, a per-expert correction bias used
+    for the choice only, the best ``topk_groups`` of ``num_groups`` groups by
+    the sum of each group's two best, top-k within them, renormalised when
+    ``norm_topk_prob``, times ``routed_scaling_factor``). Shared experts run on
+    every token: ``num_shared`` of ``expert_size`` each (DeepSeek/GLM, fused
+    into one MLP of ``num_shared * expert_size``) or one of ``shared_size``
+    (Qwen2-MoE), optionally scaled by ``sigmoid(shared_gate(x))``.
+    ``dense_layers`` run the dense MLP of ``ArchSpec.intermediate_size``.
+    """
+
+    num_experts: int
+    experts_per_token: int
+    expert_size: int
+    routing: Routing
+    norm_topk_prob: bool
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    num_shared: int = 0
+    shared_size: int = 0
+    shared_gate: bool = False
+    dense_layers: frozenset[int] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.experts_per_token <= self.num_experts:
+            raise CheckpointError(
+                f"num_experts_per_tok ({self.experts_per_token}) must be in "
+                f"[1, {self.num_experts}] (the number of routed experts)"
+            )
+        if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise CheckpointError(
+                f"n_group ({self.num_groups}) must divide the {self.num_experts} experts "
+                f"and topk_group ({self.topk_groups}) be in [1, n_group]"
+            )
+
+    @property
+    def shared_width(self) -> int:
+        """Intermediate size of the shared-expert MLP; 0 when there is none."""
+        return self.shared_size or self.num_shared * self.expert_size
+
+
+@dataclass(frozen=True)
+class MlaSpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): queries from
+    ``q_lora_rank`` (or a plain projection when None), keys and values from a
+    compressed ``kv_lora_rank`` latent plus one shared rotary key of
+    ``qk_rope_head_dim``. ``rope_interleave``: the rotary dims are stored as
+    interleaved pairs. ``softmax_scale`` already holds YaRN's mscale factor."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ArchSpec:
-    """The shapes and options of one Llama-family decoder stack."""
+    """The shapes and options of one decoder stack: Llama-style attention (GQA,
+    optionally with partial rotary) or MLA (``mla``), a dense SwiGLU MLP or a
+    mixture of experts (``moe``)."""
 
     model_type: str
     family: str
@@ -34,6 +107,11 @@ class ArchSpec:
     qkv_bias: bool
     qk_norm: bool
     sliding_window: int | None
+    # Rotary dims per head (GLM-4.5's partial_rotary_factor); None: all of head_dim.
+    rotary_dim: int | None = None
+    o_bias: bool = False  # GLM-4.5 with attention_bias: only q/k/v carry biases
+    moe: MoeSpec | None = None
+    mla: MlaSpec | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -53,8 +53,8 @@ class FusedLayers:
     def build(
         spec: ArchSpec, blocks: list[BlockWeights], cache: SlotKVCache, kernel: PackedKernel | None
     ) -> FusedLayers | None:
-        if kernel is None:
-            return None
+        if kernel is None or spec.rotary_dim is not None or spec.o_bias:
+            return None  # the C layer rotates whole heads and adds no output bias
         hidden, inner = spec.hidden_size, spec.intermediate_size
         # The C side sizes every product from these: a layer of other shapes stays in Python.
         shapes = (

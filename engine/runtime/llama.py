@@ -35,16 +35,15 @@ import torch
 import torch.nn.functional as F
 
 from metrale.engine.kernels.binding import PackedKernel, packed_kernel
-from metrale.engine.runtime.arch import ArchSpec
+from metrale.engine.runtime.arch import ArchSpec, CheckpointError
 from metrale.engine.runtime.fused_layers import FusedLayers
 from metrale.engine.runtime.kv_cache import RowPlan, SlotKVCache, plan_rows
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
+from metrale.engine.runtime.moe import MoeWeights, load_moe, moe_mlp
+from metrale.engine.runtime.ops import Weight, linear, rms_norm
 from metrale.engine.runtime.packed import PackedSource, PackedWeight
 from metrale.engine.runtime.rope import RopeTable, apply_rope
 from metrale.engine.runtime.weights import WeightStore
-
-# A linear weight: a dense tensor, or packed for the CPU kernel (packed.py).
-Weight = torch.Tensor | PackedWeight
 
 # Query rows per segment up to which the C kernel attends (decode and verify
 # steps); longer segments are prefill chunks, where torch's blocked attention
@@ -52,40 +51,10 @@ Weight = torch.Tensor | PackedWeight
 KERNEL_ATTENTION_ROWS = 32
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalise in float32, cast back, then scale."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def as_dense(weight: Weight) -> torch.Tensor:
-    """The weight as a tensor (a packed one decoded to float32)."""
-    return weight.dense() if isinstance(weight, PackedWeight) else weight
-
-
-# Up to this many rows, ``w @ x.T`` beats ``x @ w.T`` in float32 on the CPU:
-# the kernel then streams the weight once along its rows instead of once per
-# tile of rows. In bfloat16 it is slower than F.linear, so it is float32-only.
-SKINNY_ROWS = 16
-
-
-def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``, ``weight`` ``[out, in]``."""
-    if isinstance(weight, PackedWeight):
-        out = weight.matmul(x)
-        return out if bias is None else out.add_(bias)
-    if x.shape[0] > SKINNY_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
-        return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t().contiguous()  # [rows, out]
-    return out if bias is None else out.add_(bias)
-
-
 @dataclass
 class BlockWeights:
-    """One decoder layer, with q/k/v and gate/up fused."""
+    """One decoder layer, with q/k/v and gate/up fused. A MoE layer holds
+    ``moe`` and no dense ``gate_up``/``down``."""
 
     attn_norm: torch.Tensor  # [hidden]
     qkv: Weight  # [q_size + 2 * kv_size, hidden]
@@ -94,8 +63,10 @@ class BlockWeights:
     k_norm: torch.Tensor | None  # [head_dim]
     o_proj: Weight  # [hidden, q_size]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: Weight  # [2 * intermediate, hidden]
-    down: Weight  # [hidden, intermediate]
+    gate_up: Weight | None  # [2 * intermediate, hidden]
+    down: Weight | None  # [hidden, intermediate]
+    o_bias: torch.Tensor | None = None  # [hidden]
+    moe: MoeWeights | None = None
 
 
 def load_block(
@@ -106,10 +77,13 @@ def load_block(
     device: torch.device,
     norm_offset: float = 0.0,
     packed: PackedSource | None = None,
+    layer: int | None = None,
 ) -> BlockWeights:
     """Reads ``{prefix}input_layernorm...`` etc. ``norm_offset`` is added to every
     norm weight (1.0 for zero-centred norms such as Qwen3-Next's). Linear
-    weights ``packed`` holds are taken from it."""
+    weights ``packed`` holds are taken from it. ``layer``: the main model's
+    layer index, checked against the config's dense layers (None for an MTP
+    block)."""
 
     def get(name: str) -> torch.Tensor:
         return store.get(prefix + name).to(device=device, dtype=dtype)
@@ -129,11 +103,11 @@ def load_block(
     bias = None
     if spec.qkv_bias:
         bias = torch.cat([get(f"{attn}{p}_proj.bias") for p in "qkv"])
+    moe = None
     mlp_names = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
-    if not all(prefix + n in store for n in mlp_names):
-        raise ValueError(
-            f"{prefix}mlp is not a dense SwiGLU MLP (MoE blocks are not supported yet)"
-        )
+    if _is_moe_layer(store, prefix, spec, layer):
+        assert spec.moe is not None
+        moe = load_moe(store, prefix, spec.moe, weight, get, device)
     return BlockWeights(
         attn_norm=norm("input_layernorm.weight"),
         qkv=weight(*(f"{attn}{p}_proj.weight" for p in "qkv")),
@@ -142,9 +116,29 @@ def load_block(
         k_norm=norm(f"{attn}k_norm.weight") if spec.qk_norm else None,
         o_proj=weight(f"{attn}o_proj.weight"),
         mlp_norm=norm("post_attention_layernorm.weight"),
-        gate_up=weight(*mlp_names),
-        down=weight("mlp.down_proj.weight"),
+        gate_up=None if moe else weight(*mlp_names),
+        down=None if moe else weight("mlp.down_proj.weight"),
+        o_bias=get(f"{attn}o_proj.bias") if spec.o_bias else None,
+        moe=moe,
     )
+
+
+def _is_moe_layer(store: WeightStore, prefix: str, spec: ArchSpec, layer: int | None) -> bool:
+    """Whether ``prefix`` holds a MoE block, by its keys; for a main-model
+    ``layer`` the config's choice of dense layers must agree with them."""
+    has_experts = f"{prefix}mlp.gate.weight" in store
+    if has_experts and spec.moe is None:
+        raise CheckpointError(f"{prefix}mlp holds experts but the config declares none")
+    if not has_experts and f"{prefix}mlp.gate_proj.weight" not in store:
+        raise CheckpointError(f"{prefix}mlp is neither a dense SwiGLU MLP nor a MoE block")
+    if spec.moe is not None and layer is not None and layer < spec.num_layers:
+        expected = layer not in spec.moe.dense_layers
+        if expected != has_experts:
+            kind = "a MoE block" if expected else "a dense MLP"
+            raise CheckpointError(
+                f"{prefix}mlp: the config makes layer {layer} {kind}, the weights do not"
+            )
+    return has_experts
 
 
 class DecoderStack:
@@ -168,12 +162,22 @@ class DecoderStack:
         """``x`` ``[num_tokens, hidden]`` through every block; returns the new residual."""
         if self.fused is not None and plan.mask is not None and self._kernel_attends(plan):
             return self.fused.run(x, plan, rope)
-        # The C kernel rotates from the tables by position; torch from gathered rows.
-        cos_sin = None if self.kernel is not None else rope.gather(plan.positions)
+        # The C kernel rotates whole heads from the tables by position; torch
+        # rotates from gathered rows, and is the one to rotate part of a head.
+        kernel_rotates = self.kernel is not None and self.spec.rotary_dim is None
+        cos_sin = None if kernel_rotates else rope.gather(plan.positions)
         for layer, w in enumerate(self.blocks):
             x = x + self._attention(self._norm(x, w.attn_norm), w, layer, plan, rope, cos_sin)
-            x = x + linear(self._swiglu(linear(self._norm(x, w.mlp_norm), w.gate_up)), w.down)
+            x = x + self._mlp(self._norm(x, w.mlp_norm), w)
         return x
+
+    def _mlp(self, h: torch.Tensor, w: BlockWeights) -> torch.Tensor:
+        """The MLP of ``h`` ``[num_tokens, hidden]``: dense SwiGLU or the experts."""
+        if w.moe is not None:
+            assert self.spec.moe is not None
+            return moe_mlp(h, w.moe, self.spec.moe)
+        assert w.gate_up is not None and w.down is not None
+        return linear(self._swiglu(linear(h, w.gate_up)), w.down)
 
     def _kernel_attends(self, plan: RowPlan) -> bool:
         return self.kernel is not None and plan.max_rows <= KERNEL_ATTENTION_ROWS
@@ -201,7 +205,11 @@ class DecoderStack:
             assert self.kernel is not None
             self.kernel.rope_(x, rope.cos, rope.sin, plan.positions)
             return x
-        return apply_rope(x, *cos_sin)
+        dim = self.spec.rotary_dim
+        if dim is None:
+            return apply_rope(x, *cos_sin)
+        # Partial rotary: the first ``dim`` of each head turn, the rest pass.
+        return torch.cat((apply_rope(x[..., :dim], *cos_sin), x[..., dim:]), dim=-1)
 
     def _attention(
         self,
@@ -247,7 +255,7 @@ class DecoderStack:
             )
         else:
             out = self._attend_cached(q, layer, plan)
-        return linear(out, w.o_proj)
+        return linear(out, w.o_proj, w.o_bias)
 
     def _causal_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One segment from position 0: attention over its own k/v, no cache read."""
@@ -325,14 +333,14 @@ class LlamaModel:
             lm_head=lm_head or (embed if tied else get("lm_head.weight")),
         )
         blocks = [
-            load_block(store, f"model.layers.{i}.", spec, dtype, device, packed=packed)
+            load_block(store, f"model.layers.{i}.", spec, dtype, device, packed=packed, layer=i)
             for i in range(spec.num_layers)
         ]
         cache = SlotKVCache(
             spec.num_layers, num_slots, spec.num_kv_heads, max_len, spec.head_dim, dtype, device
         )
         self.stack = DecoderStack(spec, blocks, cache)
-        self.rope = RopeTable(hf_config, spec.head_dim, max_len, dtype, device)
+        self.rope = RopeTable(hf_config, spec.rotary_dim or spec.head_dim, max_len, dtype, device)
 
     @property
     def num_slots(self) -> int:

@@ -29,7 +29,7 @@ Layouts (key prefixes and the config fields that announce them):
   mtp.layers.0, mtp.norm``; every norm zero-centred (scale = weight + 1);
   ``mtp_num_hidden_layers`` / ``num_nextn_predict_layers``.
 - ``head``: a standalone head file (``mtp_head.py``), DeepSeek's structure.
-Blocks that are MoE are refused by ``load_block``.
+A module's block is the main model's block type, MoE included (``load_block``).
 """
 
 from __future__ import annotations
@@ -42,16 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from metrale.engine.runtime.kv_cache import SlotKVCache, plan_rows
-from metrale.engine.runtime.llama import (
-    BlockWeights,
-    DecoderStack,
-    LlamaModel,
-    Weight,
-    linear,
-    load_block,
-    rms_norm,
-)
+from metrale.engine.runtime.llama import BlockWeights, DecoderStack, LlamaModel, load_block
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
+from metrale.engine.runtime.ops import Weight, linear, rms_norm
 from metrale.engine.runtime.packed import PackedSource, PackedWeight
 from metrale.engine.runtime.weights import WeightStore
 

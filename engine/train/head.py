@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from metrale.engine.runtime.arch import ArchSpec
-from metrale.engine.runtime.llama import LlamaModel, as_dense, rms_norm
+from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.mtp_head import head_tensor_shapes
+from metrale.engine.runtime.ops import as_dense, rms_norm
 from metrale.engine.runtime.rope import apply_rope
 
 

@@ -1,0 +1,117 @@
+"""Tiny random checkpoints of the MoE families, written by transformers' own classes.
+
+Contract: ``write_moe_checkpoint(path, family, **overrides)`` builds the
+family's config with tiny shapes, instantiates transformers' model class,
+re-draws every parameter and buffer from a seeded generator (norms around 1,
+routers and correction biases random, so a runtime that skips one is caught),
+and saves it with ``save_pretrained``: the public per-expert keys
+(``mlp.experts.{e}.gate_proj.weight`` ...), exactly what a hub checkpoint
+holds. The byte tokenizer and generation config of ``tests.checkpoints`` are
+added, so metrale and transformers both load the folder offline.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.checkpoints import EOS_ID, TINY_VOCAB, write_byte_tokenizer
+
+COMMON: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": EOS_ID,
+    "eos_token_id": EOS_ID,
+}
+# Each family's own fields: dense layers mixed with MoE ones, shared experts,
+# grouped routing, partial rotary, q/k norms and biases where the family has them.
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+    },
+    "qwen2_moe": {
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "shared_expert_intermediate_size": 48,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [],
+    },
+    "glm4_moe": {
+        "head_dim": 16,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+    },
+}
+CLASSES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+}
+
+
+def moe_config(family: str, **overrides: Any) -> Any:
+    import transformers
+
+    config_class = getattr(transformers, CLASSES[family][0])
+    fields = {**COMMON, **FAMILY_CONFIGS[family], **overrides}
+    rotary = fields.pop("partial_rotary_factor", None)
+    config = config_class(**fields)
+    if rotary is not None:
+        config.rope_parameters = {**(config.rope_parameters or {}), "partial_rotary_factor": rotary}
+    return config
+
+
+def redraw(model: torch.nn.Module, seed: int, std: float = 0.08) -> None:
+    """Every parameter and buffer of ``model`` drawn anew from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    with torch.no_grad():
+        for name, tensor in sorted(tensors, key=lambda item: item[0]):
+            if not tensor.is_floating_point() or "rotary" in name or "inv_freq" in name:
+                continue
+            noise = torch.randn(tensor.shape, generator=gen)
+            value = 1.0 + 0.1 * noise if "norm" in name else std * noise
+            tensor.copy_(value.to(tensor.dtype))
+
+
+def write_moe_checkpoint(path: Path, family: str, *, seed: int = 0, **overrides: Any) -> Path:
+    """Writes a tiny random checkpoint of ``family`` into ``path`` and returns it."""
+    import transformers
+
+    model_class = getattr(transformers, CLASSES[family][1])
+    torch.manual_seed(seed)
+    model = model_class(moe_config(family, **overrides)).float().eval()
+    redraw(model, seed)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    (path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": EOS_ID, "eos_token_id": [EOS_ID, EOS_ID + 2]})
+    )
+    write_byte_tokenizer(path)
+    return path

@@ -1,0 +1,182 @@
+"""MoE families (Qwen2-MoE, Qwen3-MoE, GLM-4.5) against transformers' own classes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from metrale.engine.api import Request, SamplingParams
+from metrale.engine.config import EngineConfig, RuntimeConfig
+from metrale.engine.engine import Engine
+from metrale.engine.load.checkpoint import read_checkpoint
+from metrale.engine.load.loader import load_model
+from metrale.engine.runtime.arch import CheckpointError, MoeSpec
+from metrale.engine.runtime.llama import LlamaModel
+from metrale.engine.runtime.model import Segment
+from metrale.engine.runtime.moe import MoeWeights, route
+from tests.checkpoints import EOS_ID, load_reference_model
+from tests.moe_checkpoints import CLASSES, write_moe_checkpoint
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=sorted(CLASSES))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_moe_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def build(path: Path, num_slots: int = 4, max_len: int = 96) -> LlamaModel:
+    ckpt = read_checkpoint(path)
+    return LlamaModel(
+        ckpt.spec,
+        ckpt.hf_config,
+        ckpt.weights,
+        num_slots=num_slots,
+        max_len=max_len,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+
+
+def random_ids(num_seqs: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (num_seqs, length), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits: torch.Tensor = load_reference_model(path)(ids).logits
+    return logits  # [num_seqs, length, vocab]
+
+
+def test_the_config_is_read_as_the_family_defines_it(checkpoint: Path) -> None:
+    spec = read_checkpoint(checkpoint).spec
+    assert spec.moe is not None
+    family = spec.family
+    dense = {"qwen3_moe": {1}, "qwen2_moe": {0, 2}, "glm4_moe": {0}}[family]
+    assert spec.moe.dense_layers == frozenset(dense)
+    if family == "glm4_moe":
+        assert spec.rotary_dim == spec.head_dim // 2 and spec.qk_norm and spec.qkv_bias
+        assert spec.moe.routing == "sigmoid_grouped" and spec.moe.num_groups == 2
+    else:
+        assert spec.moe.routing == "softmax" and spec.rotary_dim is None
+
+
+def test_prefill_logits_equal_transformers(checkpoint: Path) -> None:
+    ids = random_ids(1, 40)
+    expected = reference_logits(checkpoint, ids)[0]
+    out = build(checkpoint).forward([Segment(0, 0, ids[0].tolist())])
+    assert (out.logits - expected).abs().max().item() <= TOL
+
+
+def test_ragged_verify_rows_of_several_sequences_equal_transformers(checkpoint: Path) -> None:
+    ids = random_ids(3, 48, seed=2)
+    expected = reference_logits(checkpoint, ids)
+    model = build(checkpoint)
+    model.forward([Segment(2, 0, ids[0, :30].tolist()), Segment(0, 0, ids[1, :20].tolist())])
+    model.forward([Segment(3, 0, ids[2, :10].tolist())])
+    rows = [(3, 10, 2, 48), (2, 30, 0, 34), (0, 20, 1, 21)]  # a chunk, a verify of 4, a decode
+    out = model.forward([Segment(s, a, ids[q, a:e].tolist()) for s, a, q, e in rows])
+    got = out.logits.split([e - a for _, a, _, e in rows])
+    for (_, start, seq, end), logits in zip(rows, got, strict=True):
+        assert (logits - expected[seq, start:end]).abs().max().item() <= TOL
+
+
+def test_ragged_rows_equal_each_sequence_alone(checkpoint: Path) -> None:
+    ids = random_ids(3, 24, seed=7)
+    starts = (12, 5, 20)
+    alone = []
+    for seq in range(3):
+        model = build(checkpoint)
+        model.forward([Segment(1, 0, ids[seq, : starts[seq]].tolist())])
+        alone.append(model.forward([Segment(1, starts[seq], ids[seq, starts[seq] :].tolist())]))
+    together = build(checkpoint)
+    slots = (3, 0, 2)
+    together.forward([Segment(slots[q], 0, ids[q, : starts[q]].tolist()) for q in range(3)])
+    out = together.forward(
+        [Segment(slots[q], starts[q], ids[q, starts[q] :].tolist()) for q in range(3)]
+    )
+    for seq, logits in enumerate(out.logits.split([24 - s for s in starts])):
+        assert torch.allclose(logits, alone[seq].logits, atol=1e-5)
+
+
+def test_greedy_output_equals_transformers_generate(checkpoint: Path) -> None:
+    loaded = load_model(checkpoint, RuntimeConfig(device="cpu", num_slots=3, max_len=128))
+    prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (9, 17, 5)]
+    reference = load_reference_model(checkpoint)
+    params = SamplingParams(max_tokens=16, eos_token_ids=(EOS_ID,))
+    requests = [Request(str(i), tuple(p), params) for i, p in enumerate(prompts)]
+    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=3))
+    got = {r.request_id: list(r.output_ids) for r in engine.generate(requests)}
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=EOS_ID
+            )
+        assert got[str(i)] == out[0, len(prompt) :].tolist()
+
+
+def test_grouped_routing_picks_only_from_the_best_groups() -> None:
+    spec = MoeSpec(
+        num_experts=8,
+        experts_per_token=3,
+        expert_size=4,
+        routing="sigmoid_grouped",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.0,
+        num_groups=4,
+        topk_groups=2,
+    )
+    gen = torch.Generator().manual_seed(0)
+    bias = torch.randn(8, generator=gen) * 0.1
+    weights = MoeWeights(
+        router=torch.randn(8, 16, generator=gen),
+        score_bias=bias,
+        experts=[],
+        shared=None,
+        shared_gate=None,
+    )
+    x = torch.randn(50, 16, generator=gen)
+    top, ids = route(x, weights, spec)
+    choice = torch.sigmoid(x @ weights.router.T) + bias  # [50, 8]
+    group_scores = choice.view(50, 4, 2).sum(-1)  # two experts a group: the sum of both
+    best_groups = group_scores.topk(2, dim=-1).indices  # [50, 2]
+    for row in range(50):
+        allowed = {int(g) * 2 + e for g in best_groups[row] for e in range(2)}
+        assert set(ids[row].tolist()) <= allowed
+        # the three best allowed experts by the biased score, weighted by the unbiased one
+        ranked = sorted(allowed, key=lambda e: -float(choice[row, e]))[:3]
+        assert set(ids[row].tolist()) == set(ranked)
+    assert torch.allclose(top.sum(-1), torch.full((50,), 2.0), atol=1e-5)
+
+
+def test_a_layer_whose_weights_disagree_with_the_config_is_refused(tmp_path: Path) -> None:
+    path = write_moe_checkpoint(tmp_path, "qwen3_moe")
+    config = json.loads((path / "config.json").read_text())
+    config["mlp_only_layers"] = []  # now layer 1 should be MoE, but its weights are dense
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp.*MoE block"):
+        build(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "cause"),
+    [
+        ({"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
+        ({"model_type": "qwen3_next"}, "linear-attention hybrid"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
+        ({"model_type": "mixtral"}, "unsupported architecture mixtral"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+    ],
+)
+def test_layers_and_routings_it_cannot_run_are_refused_by_name(
+    tmp_path: Path, change: dict[str, object], cause: str
+) -> None:
+    path = write_moe_checkpoint(tmp_path, "glm4_moe")
+    config = json.loads((path / "config.json").read_text())
+    config.update(change)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=cause):
+        read_checkpoint(path)
