@@ -1,4 +1,5 @@
-"""MoE families (Qwen2-MoE, Qwen3-MoE, GLM-4.5) against transformers' own classes."""
+"""MoE families (Qwen2-MoE, Qwen3-MoE, GLM-4.5, and with MLA DeepSeek-V3 and
+GLM-4.7-Flash) against transformers' own classes."""
 
 from __future__ import annotations
 
@@ -55,11 +56,14 @@ def test_the_config_is_read_as_the_family_defines_it(checkpoint: Path) -> None:
     spec = read_checkpoint(checkpoint).spec
     assert spec.moe is not None
     family = spec.family
-    dense = {"qwen3_moe": {1}, "qwen2_moe": {0, 2}, "glm4_moe": {0}}[family]
+    dense = {"qwen3_moe": {1}, "qwen2_moe": {0, 2}}.get(family, {0})
     assert spec.moe.dense_layers == frozenset(dense)
     if family == "glm4_moe":
         assert spec.rotary_dim == spec.head_dim // 2 and spec.qk_norm and spec.qkv_bias
         assert spec.moe.routing == "sigmoid_grouped" and spec.moe.num_groups == 2
+    elif family in ("deepseek_v3", "glm4_moe_lite"):
+        assert spec.mla is not None and spec.moe.routing == "sigmoid_grouped"
+        assert spec.mla.q_lora_rank == (24 if family == "deepseek_v3" else None)
     else:
         assert spec.moe.routing == "softmax" and spec.rotary_dim is None
 

@@ -34,6 +34,7 @@ from metrale.engine.bench.runners import checkpoint_folder, load_transformers
 from metrale.engine.bench.timing import stopwatch, take_turns
 from metrale.engine.config import RuntimeConfig
 from metrale.engine.load.loader import load_model
+from metrale.engine.runtime.kv_cache import SlotKVCache
 from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.model import Segment
 
@@ -77,9 +78,13 @@ def bench_metrale(
 ) -> list[float]:
     context = len(context_ids)
     model.forward([Segment(0, 0, context_ids)], logits="last")
+    cache = model.stack.cache
     for layer in range(model.spec.num_layers):  # every slot holds the same context
-        for cache in (model.stack.cache.keys[layer], model.stack.cache.values[layer]):
-            cache[1:, :, :context] = cache[:1, :, :context]
+        if isinstance(cache, SlotKVCache):
+            for held in (cache.keys[layer], cache.values[layer]):
+                held[1:, :, :context] = held[:1, :, :context]
+        else:
+            cache.entries[layer][1:, :context] = cache.entries[layer][:1, :context]
     results = []
     for slots, rows in shapes:
         segments = [Segment(s, context, list(range(100, 100 + rows))) for s in range(slots)]

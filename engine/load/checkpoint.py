@@ -15,12 +15,13 @@ for (``load/quant.py``). ``quant`` is the block FP8 the store dequantizes,
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from metrale.engine.load.quant import check_tensors, read_quant
-from metrale.engine.runtime.arch import ArchSpec, CheckpointError, MoeSpec
+from metrale.engine.runtime.arch import ArchSpec, CheckpointError, MlaSpec, MoeSpec
 from metrale.engine.runtime.fp8 import BlockFp8
 from metrale.engine.runtime.weights import WeightStore
 
@@ -35,10 +36,15 @@ FAMILIES = {
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
     "glm4_moe": "glm4_moe",
+    "deepseek_v3": "deepseek_v3",
+    "glm4_moe_lite": "glm4_moe_lite",
 }
 SUPPORTED = (
-    "Llama, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, MiMo, Qwen2-MoE, Qwen3-MoE, GLM-4.5 (glm4_moe)"
+    "Llama, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, MiMo, Qwen2-MoE, Qwen3-MoE, "
+    "GLM-4.5 (glm4_moe), DeepSeek-V3/R1 (deepseek_v3), GLM-4.7-Flash (glm4_moe_lite)"
 )
+# Families whose attention is multi-head latent attention.
+_MLA = ("deepseek_v3", "glm4_moe_lite")
 # Families that route by softmax (Qwen) and by grouped sigmoid (DeepSeek, GLM).
 _SOFTMAX_MOE = ("qwen2_moe", "qwen3_moe")
 _SIGMOID_MOE = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
@@ -111,6 +117,9 @@ def _arch_spec(config: Any, model_type: str, family: str) -> ArchSpec:
     if getattr(config, "mlp_bias", False):
         raise CheckpointError("mlp_bias=True is not supported")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    mla = _mla_spec(config) if family in _MLA else None
+    if mla is not None:
+        head_dim = mla.qk_head_dim
     attention_bias = bool(getattr(config, "attention_bias", False))
     glm = family == "glm4_moe"
     return ArchSpec(
@@ -126,13 +135,38 @@ def _arch_spec(config: Any, model_type: str, family: str) -> ArchSpec:
         rms_norm_eps=float(config.rms_norm_eps),
         tie_embeddings=bool(config.tie_word_embeddings),
         context_len=int(config.max_position_embeddings),
-        qkv_bias=family in ("qwen2", "qwen2_moe") or attention_bias,
+        qkv_bias=family in ("qwen2", "qwen2_moe") or (attention_bias and mla is None),
         qk_norm=family in ("qwen3", "qwen3_moe") or (glm and bool(config.use_qk_norm)),
         sliding_window=_sliding_window(config, family),
-        rotary_dim=_rotary_dim(config, head_dim),
+        rotary_dim=None if mla else _rotary_dim(config, head_dim),
         # Llama and Mistral put attention_bias on o_proj too; GLM-4.5 on q/k/v only.
         o_bias=attention_bias and family in ("llama", "mistral"),
         moe=_moe_spec(config, family),
+        mla=mla,
+    )
+
+
+def _mla_spec(config: Any) -> MlaSpec:
+    """MLA's shapes; the softmax scale carries YaRN's ``mscale_all_dim`` factor
+    squared, as DeepSeek's attention applies it."""
+    qk_head_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
+    scale = qk_head_dim**-0.5
+    params = getattr(config, "rope_parameters", None) or {}
+    all_dim = (
+        params.get("mscale_all_dim", 0) if params.get("rope_type", "default") != "default" else 0
+    )
+    if all_dim and float(params["factor"]) > 1:
+        mscale = 0.1 * float(all_dim) * math.log(float(params["factor"])) + 1.0
+        scale *= mscale * mscale
+    q_rank = getattr(config, "q_lora_rank", None)
+    return MlaSpec(
+        q_lora_rank=int(q_rank) if q_rank else None,
+        kv_lora_rank=int(config.kv_lora_rank),
+        qk_nope_head_dim=int(config.qk_nope_head_dim),
+        qk_rope_head_dim=int(config.qk_rope_head_dim),
+        v_head_dim=int(config.v_head_dim),
+        rope_interleave=bool(getattr(config, "rope_interleave", False)),
+        softmax_scale=scale,
     )
 
 

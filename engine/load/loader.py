@@ -221,7 +221,7 @@ def choose_max_len(
         )
     if runtime.kv_budget_mb is not None:
         layers = spec.num_layers + (num_stacks - 1)
-        per_position = 2 * layers * spec.kv_size * dtype.itemsize * runtime.num_slots
+        per_position = layers * spec.kv_width * dtype.itemsize * runtime.num_slots
         fits = int(runtime.kv_budget_mb * 2**20) // per_position
         if fits < 2:
             raise CheckpointError(

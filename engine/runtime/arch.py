@@ -121,6 +121,21 @@ class ArchSpec:
             )
 
     @property
+    def rope_dim(self) -> int:
+        """Rotary dims per head: MLA's rope head, the partial rotary, or all."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Numbers one layer's cache holds per position: keys and values of
+        every kv head, or MLA's latent and rope key."""
+        if self.mla is not None:
+            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return 2 * self.kv_size
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

@@ -38,6 +38,8 @@ from metrale.engine.kernels.binding import PackedKernel, packed_kernel
 from metrale.engine.runtime.arch import ArchSpec, CheckpointError
 from metrale.engine.runtime.fused_layers import FusedLayers
 from metrale.engine.runtime.kv_cache import RowPlan, SlotKVCache, plan_rows
+from metrale.engine.runtime.latent_cache import LatentCache
+from metrale.engine.runtime.mla import MlaWeights, load_mla_weights, mla_attention
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
 from metrale.engine.runtime.moe import MoeWeights, load_moe, moe_mlp
 from metrale.engine.runtime.ops import Weight, linear, rms_norm
@@ -54,19 +56,21 @@ KERNEL_ATTENTION_ROWS = 32
 @dataclass
 class BlockWeights:
     """One decoder layer, with q/k/v and gate/up fused. A MoE layer holds
-    ``moe`` and no dense ``gate_up``/``down``."""
+    ``moe`` and no dense ``gate_up``/``down``; an MLA layer holds ``mla`` and
+    none of the GQA projections."""
 
     attn_norm: torch.Tensor  # [hidden]
-    qkv: Weight  # [q_size + 2 * kv_size, hidden]
+    qkv: Weight | None  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
     q_norm: torch.Tensor | None  # [head_dim]
     k_norm: torch.Tensor | None  # [head_dim]
-    o_proj: Weight  # [hidden, q_size]
+    o_proj: Weight | None  # [hidden, q_size]
     mlp_norm: torch.Tensor  # [hidden]
     gate_up: Weight | None  # [2 * intermediate, hidden]
     down: Weight | None  # [hidden, intermediate]
     o_bias: torch.Tensor | None = None  # [hidden]
     moe: MoeWeights | None = None
+    mla: MlaWeights | None = None
 
 
 def load_block(
@@ -103,6 +107,9 @@ def load_block(
     bias = None
     if spec.qkv_bias:
         bias = torch.cat([get(f"{attn}{p}_proj.bias") for p in "qkv"])
+    mla = None
+    if spec.mla is not None:
+        mla = load_mla_weights(store, prefix, spec.mla, spec.num_heads, dtype, device)
     moe = None
     mlp_names = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
     if _is_moe_layer(store, prefix, spec, layer):
@@ -110,16 +117,40 @@ def load_block(
         moe = load_moe(store, prefix, spec.moe, weight, get, device)
     return BlockWeights(
         attn_norm=norm("input_layernorm.weight"),
-        qkv=weight(*(f"{attn}{p}_proj.weight" for p in "qkv")),
+        qkv=None if mla else weight(*(f"{attn}{p}_proj.weight" for p in "qkv")),
         qkv_bias=bias,
         q_norm=norm(f"{attn}q_norm.weight") if spec.qk_norm else None,
         k_norm=norm(f"{attn}k_norm.weight") if spec.qk_norm else None,
-        o_proj=weight(f"{attn}o_proj.weight"),
+        o_proj=None if mla else weight(f"{attn}o_proj.weight"),
         mlp_norm=norm("post_attention_layernorm.weight"),
         gate_up=None if moe else weight(*mlp_names),
         down=None if moe else weight("mlp.down_proj.weight"),
         o_bias=get(f"{attn}o_proj.bias") if spec.o_bias else None,
         moe=moe,
+        mla=mla,
+    )
+
+
+KVCache = SlotKVCache | LatentCache
+
+
+def make_cache(
+    spec: ArchSpec,
+    num_layers: int,
+    num_slots: int,
+    max_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVCache:
+    """The slot cache the spec's attention reads: keys and values per kv head,
+    or MLA's latent and rope key."""
+    if spec.mla is not None:
+        mla = spec.mla
+        return LatentCache(
+            num_layers, num_slots, max_len, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype, device
+        )
+    return SlotKVCache(
+        num_layers, num_slots, spec.num_kv_heads, max_len, spec.head_dim, dtype, device
     )
 
 
@@ -142,21 +173,24 @@ def _is_moe_layer(store: WeightStore, prefix: str, spec: ArchSpec, layer: int | 
 
 
 class DecoderStack:
-    """Runs decoder blocks over a ``RowPlan`` with one ``SlotKVCache``.
+    """Runs decoder blocks over a ``RowPlan`` with one slot cache (``make_cache``).
 
     Shared by the main model and MTP modules: a module's block is a stack of
     one layer with its own cache.
     """
 
-    def __init__(self, spec: ArchSpec, blocks: list[BlockWeights], cache: SlotKVCache) -> None:
+    def __init__(self, spec: ArchSpec, blocks: list[BlockWeights], cache: KVCache) -> None:
         self.spec = spec
         self.blocks = blocks
         self.cache = cache
         self.group = spec.num_heads // spec.num_kv_heads
-        cpu_float32 = cache.keys[0].device.type == "cpu" and cache.keys[0].dtype == torch.float32
+        some = cache.keys[0] if isinstance(cache, SlotKVCache) else cache.entries[0]
+        cpu_float32 = some.device.type == "cpu" and some.dtype == torch.float32
         self.kernel: PackedKernel | None = packed_kernel() if cpu_float32 else None
         # Every layer in one C call for decode and verify steps (None: layer by layer).
-        self.fused = FusedLayers.build(spec, blocks, cache, self.kernel)
+        self.fused = None
+        if isinstance(cache, SlotKVCache):
+            self.fused = FusedLayers.build(spec, blocks, cache, self.kernel)
 
     def run(self, x: torch.Tensor, plan: RowPlan, rope: RopeTable) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden]`` through every block; returns the new residual."""
@@ -165,6 +199,7 @@ class DecoderStack:
         # The C kernel rotates whole heads from the tables by position; torch
         # rotates from gathered rows, and is the one to rotate part of a head.
         kernel_rotates = self.kernel is not None and self.spec.rotary_dim is None
+        kernel_rotates = kernel_rotates and self.spec.mla is None  # MLA rotates its own
         cos_sin = None if kernel_rotates else rope.gather(plan.positions)
         for layer, w in enumerate(self.blocks):
             x = x + self._attention(self._norm(x, w.attn_norm), w, layer, plan, rope, cos_sin)
@@ -221,6 +256,11 @@ class DecoderStack:
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         spec = self.spec
+        if w.mla is not None:
+            assert spec.mla is not None and isinstance(self.cache, LatentCache)
+            return mla_attention(h, w.mla, spec.mla, spec.num_heads, self.cache, layer, plan, rope)
+        assert w.qkv is not None and w.o_proj is not None
+        assert isinstance(self.cache, SlotKVCache)
         num_tokens = h.shape[0]
         qkv = linear(h, w.qkv, w.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         heads, kv_heads = spec.num_heads, spec.num_kv_heads
@@ -271,6 +311,7 @@ class DecoderStack:
         along the query axis (``[S, kv_heads, group * rows, head_dim]``) so keys
         and values are read once per kv head, never repeated."""
         spec, group = self.spec, self.group
+        assert isinstance(self.cache, SlotKVCache)
         segs, rows = plan.num_segments, plan.max_rows
         if plan.pad_index is not None:
             padded = q.new_zeros(segs * rows, spec.num_heads, spec.head_dim)
@@ -336,11 +377,9 @@ class LlamaModel:
             load_block(store, f"model.layers.{i}.", spec, dtype, device, packed=packed, layer=i)
             for i in range(spec.num_layers)
         ]
-        cache = SlotKVCache(
-            spec.num_layers, num_slots, spec.num_kv_heads, max_len, spec.head_dim, dtype, device
-        )
+        cache = make_cache(spec, spec.num_layers, num_slots, max_len, dtype, device)
         self.stack = DecoderStack(spec, blocks, cache)
-        self.rope = RopeTable(hf_config, spec.rotary_dim or spec.head_dim, max_len, dtype, device)
+        self.rope = RopeTable(hf_config, spec.rope_dim, max_len, dtype, device)
 
     @property
     def num_slots(self) -> int:

@@ -41,8 +41,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from metrale.engine.runtime.kv_cache import SlotKVCache, plan_rows
-from metrale.engine.runtime.llama import BlockWeights, DecoderStack, LlamaModel, load_block
+from metrale.engine.runtime.kv_cache import plan_rows
+from metrale.engine.runtime.llama import (
+    BlockWeights,
+    DecoderStack,
+    LlamaModel,
+    load_block,
+    make_cache,
+)
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
 from metrale.engine.runtime.ops import Weight, linear, rms_norm
 from metrale.engine.runtime.packed import PackedSource, PackedWeight
@@ -110,15 +116,7 @@ class MtpLayer:
         spec = model.spec
         self.model = model
         self.weights = weights
-        cache = SlotKVCache(
-            1,
-            model.num_slots,
-            spec.num_kv_heads,
-            model.max_len,
-            spec.head_dim,
-            model.dtype,
-            model.device,
-        )
+        cache = make_cache(spec, 1, model.num_slots, model.max_len, model.dtype, model.device)
         self.stack = DecoderStack(spec, [weights.block], cache)
         lm_head = weights.lm_head if weights.lm_head is not None else model.head.lm_head
         self.draft_vocab = weights.draft_vocab
