@@ -79,8 +79,11 @@ def info(
         ("weights", facts.weights),
         ("device", facts.device),
         ("context length", f"{facts.context_len:,}"),
+        ("attention", facts.attention),
+        ("experts", facts.experts or "none (dense MLP)"),
+        ("quantization", facts.quantization),
         ("MTP layers", mtp_text),
-        ("KV bytes per token", f"{facts.kv_bytes_per_token:,}"),
+        ("KV bytes per token", f"{facts.kv_bytes_per_token:,} (as the cache stores it)"),
         ("EOS ids", ", ".join(map(str, loaded.eos_token_ids))),
         ("load time", f"{facts.load_s:.2f} s"),
     ]

@@ -184,3 +184,23 @@ def test_layers_and_routings_it_cannot_run_are_refused_by_name(
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=cause):
         read_checkpoint(path)
+
+
+def test_info_shows_attention_experts_and_the_kv_bytes_the_cache_stores(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from metrale.cli.main import app
+
+    mla = write_moe_checkpoint(tmp_path / "mla", "deepseek_v3")
+    result = CliRunner().invoke(app, ["info", str(mla), "--no-mtp"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())  # the table may fold long values
+    assert "MLA, 4 heads, latent 16 + rope key 8 cached, q rank 24" in text
+    assert "8 routed, 1 shared, 2 routed active per token (sigmoid grouped); 1 dense layer" in text
+    assert "quantization none" in text
+    # 3 layers x (latent 16 + rope key 8) float32 numbers, not per-head keys and values
+    assert f"KV bytes per token {3 * (16 + 8) * 4:,} (as the cache stores it)" in text
+    glm = write_moe_checkpoint(tmp_path / "glm", "glm4_moe")
+    result = CliRunner().invoke(app, ["info", str(glm)])
+    assert result.exit_code == 0, result.output
+    assert "GQA, 4 query / 2 kv heads of 16, 50% rotary" in " ".join(result.output.split())

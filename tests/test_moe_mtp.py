@@ -103,10 +103,13 @@ def reference_first_draft(model: Any, mtp: Any, prompt: list[int]) -> tuple[int,
             position_ids=positions,
             mtp_cache=None,
         )
+    assert int(drafts[0, 0]) == int(logits[0, 0].argmax()), "a greedy draft is the argmax"
     return token, logits[0, 0]
 
 
-def test_the_first_mtp_draft_equals_transformers_mtp_module(with_mtp: tuple[Path, Any, Any]) -> None:
+def test_the_first_mtp_draft_equals_transformers_mtp_module(
+    with_mtp: tuple[Path, Any, Any],
+) -> None:
     path, model, mtp = with_mtp
     loaded = load_model(path, RuntimeConfig(device="cpu", num_slots=2, max_len=96))
     assert len(loaded.mtp) == 1 and loaded.info.mtp_layout == "deepseek"

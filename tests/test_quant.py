@@ -11,6 +11,7 @@ computed block by block: metrale must run the two as the same model.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from math import ceil
 from pathlib import Path
@@ -350,3 +351,14 @@ def test_generate_on_a_gptq_checkpoint_is_a_usage_error_naming_the_method(
     assert result.exit_code == 2, result.output
     assert "gptq" in result.stderr and "block-FP8" in result.stderr
     assert result.stdout == ""
+
+
+def test_info_names_the_block_fp8_layout(pair: tuple[Path, Path]) -> None:
+    fp8, twin = pair
+    shown = {}
+    for folder in (fp8, twin):
+        result = CliRunner().invoke(app, ["info", str(folder)], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        shown[folder] = " ".join(result.output.split())
+    assert re.search(r"quantization block FP8 e4m3, \d+x\d+ blocks", shown[fp8])
+    assert "quantization none" in shown[twin]

@@ -29,6 +29,7 @@ from metrale.engine.load.checkpoint import Checkpoint, read_checkpoint
 from metrale.engine.load.default_model import MODEL_NAME, ensure_default_model
 from metrale.engine.runtime.arch import ArchSpec, CheckpointError
 from metrale.engine.runtime.device import dtype_name, pick_device, pick_dtype
+from metrale.engine.runtime.fp8 import BlockFp8
 from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.model import Model, MtpModule
 from metrale.engine.runtime.mtp import MtpFound, detect_mtp, load_checkpoint_mtp
@@ -58,6 +59,9 @@ class ModelInfo:
     mtp_draft_vocab: int | None  # tokens a standalone head drafts from; None: all
     mtp_head: str | None  # the standalone head's weights file, when one drafts
     kv_bytes_per_token: int
+    attention: str  # "GQA, 9 query / 3 kv heads of 64" or "MLA, ..."
+    experts: str | None  # routed / shared / active per token; None: dense
+    quantization: str  # "none" or the block FP8 layout
     load_s: float
 
 
@@ -131,6 +135,9 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
             None,
         ),
         kv_bytes_per_token=model.kv_bytes_per_token + sum(m.kv_bytes_per_token for m in mtp),
+        attention=describe_attention(checkpoint.spec),
+        experts=describe_experts(checkpoint.spec),
+        quantization=describe_quant(checkpoint.quant),
         load_s=time.perf_counter() - started,
     )
     eos = eos_token_ids(folder, checkpoint.raw_config, tokenizer)
@@ -156,17 +163,16 @@ def _packed_source(
     store = PackedStore.open(folder, kernel)
     if store is not None:
         return kernel, store, f"packed ({', '.join(sorted(set(store.formats.values())))})"
-    if _stored_dtype(checkpoint) == torch.bfloat16:
+    if _stored_in_bf16(checkpoint):
         return kernel, Bf16Source(checkpoint.weights, kernel), "packed (bf16)"
     return kernel, None, "dense"
 
 
-def _stored_dtype(checkpoint: Checkpoint) -> torch.dtype:
-    """The dtype the first layer's MLP is stored in."""
-    name = "model.layers.0.mlp.down_proj.weight"
-    if name not in checkpoint.weights:
-        return torch.float32
-    return checkpoint.weights.get(name).dtype
+def _stored_in_bf16(checkpoint: Checkpoint) -> bool:
+    """Whether the first layer's attention output is stored in bfloat16 (read
+    from the header: every family has this weight, dense or MoE)."""
+    name = "model.layers.0.self_attn.o_proj.weight"
+    return name in checkpoint.weights and checkpoint.weights.dtype(name) == "BF16"
 
 
 def _drafting_head(
@@ -230,6 +236,43 @@ def choose_max_len(
             )
         max_len = min(max_len, fits)
     return max_len
+
+
+def describe_attention(spec: ArchSpec) -> str:
+    """The attention kind and shapes, as ``metrale info`` shows them."""
+    if spec.mla is not None:
+        mla = spec.mla
+        q = f"q rank {mla.q_lora_rank}" if mla.q_lora_rank else "full-rank q"
+        return (
+            f"MLA, {spec.num_heads} heads, latent {mla.kv_lora_rank} + rope key "
+            f"{mla.qk_rope_head_dim} cached, {q}"
+        )
+    rotary = spec.rope_dim / spec.head_dim
+    text = f"GQA, {spec.num_heads} query / {spec.num_kv_heads} kv heads of {spec.head_dim}"
+    return text if rotary == 1 else f"{text}, {rotary:.0%} rotary"
+
+
+def describe_experts(spec: ArchSpec) -> str | None:
+    """Routed, shared and active experts; None for a dense model."""
+    moe = spec.moe
+    if moe is None:
+        return None
+    shared = moe.num_shared or (1 if moe.shared_size else 0)
+    text = (
+        f"{moe.num_experts} routed, {shared} shared, {moe.experts_per_token} routed active "
+        f"per token ({moe.routing.replace('_', ' ')})"
+    )
+    if moe.dense_layers:
+        count = len(moe.dense_layers)
+        text += f"; {count} dense layer{'s' if count > 1 else ''}"
+    return text
+
+
+def describe_quant(quant: BlockFp8 | None) -> str:
+    if quant is None:
+        return "none"
+    rows, cols = quant.block
+    return f"block FP8 e4m3, {rows}x{cols} blocks ({quant.method}), dequantized at load"
 
 
 def count_parameters(module: Any) -> int:

@@ -215,7 +215,8 @@ class Bf16Source:
         self.kernel = kernel
 
     def get(self, name: str) -> PackedWeight | None:
-        if name not in self.store:
+        # The header first: a weight stored otherwise (FP8, float32) is not read twice.
+        if name not in self.store or self.store.dtype(name) != "BF16":
             return None
         value = self.store.get(name)
         if value.dtype != torch.bfloat16 or value.dim() != 2 or value.shape[1] % 32:

@@ -88,6 +88,14 @@ class WeightStore:
         with safe_open(str(self.files[name]), framework="pt") as handle:
             return tuple(handle.get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype of ``name`` (safetensors' name, e.g. ``"BF16"``),
+        read from the header only."""
+        if name not in self.files:
+            raise CheckpointError(f"weight {name!r} is missing from the checkpoint")
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            return str(handle.get_slice(name).get_dtype())
+
     def headers(self) -> dict[str, TensorHeader]:
         """Every stored tensor, scales included, from the headers only (each
         file is opened once)."""
