@@ -35,6 +35,8 @@ def as_dense(weight: Weight) -> torch.Tensor:
 # the kernel then streams the weight once along its rows instead of once per
 # tile of rows. In bfloat16 it is slower than F.linear, so it is float32-only.
 SKINNY_ROWS = 16
+# Weights this large (an LM head) are read faster by two threads than by one.
+GEMV_SPLIT_NUMEL = 1 << 22
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,5 +46,10 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         return out if bias is None else out.add_(bias)
     if x.shape[0] > SKINNY_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t().contiguous()  # [rows, out]
+    if x.shape[0] == 1 and weight.numel() >= GEMV_SPLIT_NUMEL:
+        # A one-column product runs as a matrix-vector product on one thread;
+        # two columns take the threaded matrix path, so the row goes in twice.
+        out = torch.mm(weight, x.repeat(2, 1).t())[:, :1].t().contiguous()  # [1, out]
+    else:
+        out = torch.mm(weight, x.t()).t().contiguous()  # [rows, out]
     return out if bias is None else out.add_(bias)
