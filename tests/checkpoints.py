@@ -30,6 +30,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from metrale.engine.load.checkpoint import read_checkpoint
+from metrale.engine.runtime.llama import LlamaModel
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MTP_LAYOUTS = ("deepseek", "mimo", "qwen3_next")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>")
@@ -297,3 +300,29 @@ def load_reference_model(path: Path) -> Any:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.eval()
     return model
+
+
+def build_runtime(path: Path, num_slots: int = 4, max_len: int = 96) -> LlamaModel:
+    """metrale's runtime of a checkpoint folder, float32 on the CPU."""
+    ckpt = read_checkpoint(path)
+    return LlamaModel(
+        ckpt.spec,
+        ckpt.hf_config,
+        ckpt.weights,
+        num_slots=num_slots,
+        max_len=max_len,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+
+
+def random_ids(num_seqs: int, length: int, seed: int = 1) -> torch.Tensor:
+    """Seeded byte-token ids ``[num_seqs, length]``."""
+    return torch.randint(0, 256, (num_seqs, length), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' float32 logits ``[num_seqs, length, vocab]`` for ``ids``."""
+    with torch.no_grad():
+        logits: torch.Tensor = load_reference_model(path)(ids).logits
+    return logits

@@ -12,7 +12,12 @@ from metrale.engine.load.checkpoint import read_checkpoint
 from metrale.engine.runtime.arch import CheckpointError
 from metrale.engine.runtime.llama import KERNEL_ATTENTION_ROWS, LlamaModel
 from metrale.engine.runtime.model import Segment
-from tests.checkpoints import load_reference_model, write_tiny_checkpoint
+from tests.checkpoints import (
+    build_runtime,
+    random_ids,
+    reference_logits,
+    write_tiny_checkpoint,
+)
 
 TOL = 1e-4
 LLAMA3_ROPE = {
@@ -43,39 +48,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build(path: Path, num_slots: int = 4, max_len: int = 96) -> LlamaModel:
-    ckpt = read_checkpoint(path)
-    return LlamaModel(
-        ckpt.spec,
-        ckpt.hf_config,
-        ckpt.weights,
-        num_slots=num_slots,
-        max_len=max_len,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
-
-
 @pytest.fixture(scope="module", params=sorted(CASES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     family, options = CASES[request.param]
     return write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family, **options)
 
 
-def random_ids(num_seqs: int, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 256, (num_seqs, length), generator=torch.Generator().manual_seed(seed))
-
-
-def reference_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        logits: torch.Tensor = load_reference_model(path)(ids).logits
-    return logits  # [num_seqs, length, vocab]
-
-
 def test_prefill_logits_equal_transformers(checkpoint: Path) -> None:
     ids = random_ids(1, 80)
     expected = reference_logits(checkpoint, ids)[0]
-    out = build(checkpoint).forward([Segment(0, 0, ids[0].tolist())])
+    out = build_runtime(checkpoint).forward([Segment(0, 0, ids[0].tolist())])
     assert out.logits.shape == expected.shape
     assert (out.logits - expected).abs().max().item() <= TOL
 
@@ -87,7 +69,7 @@ def ragged_rows_match_transformers(checkpoint: Path, chunk_end: int) -> LlamaMod
     transformers. Returns the model."""
     ids = random_ids(3, 60)
     expected = reference_logits(checkpoint, ids)
-    model = build(checkpoint)
+    model = build_runtime(checkpoint)
     model.forward([Segment(2, 0, ids[0, :40].tolist()), Segment(0, 0, ids[1, :25].tolist())])
     model.forward([Segment(3, 0, ids[2, :10].tolist())])
     rows = [
@@ -120,10 +102,10 @@ def test_ragged_batch_equals_each_sequence_alone(tmp_path: Path) -> None:
     starts = (12, 5, 20)
     alone = []
     for seq in range(3):
-        model = build(path)
+        model = build_runtime(path)
         model.forward([Segment(1, 0, ids[seq, : starts[seq]].tolist())])
         alone.append(model.forward([Segment(1, starts[seq], ids[seq, starts[seq] :].tolist())]))
-    together = build(path)
+    together = build_runtime(path)
     slots = (3, 0, 2)  # neither ascending nor contiguous: the gathered read path
     together.forward([Segment(slots[q], 0, ids[q, : starts[q]].tolist()) for q in range(3)])
     out = together.forward(
@@ -143,13 +125,13 @@ def test_rollback_then_reverify_gives_identical_logits(tmp_path: Path) -> None:
     path = write_tiny_checkpoint(tmp_path, "llama")
     ids = random_ids(1, 20, seed=3)[0].tolist()
     drafts_a, drafts_b = [5, 6, 7, 8], [ids[16], 9, 10]
-    model = build(path)
+    model = build_runtime(path)
     model.forward([Segment(0, 0, ids[:16])])
     first = model.forward([Segment(0, 16, drafts_b)]).logits
     model.forward([Segment(0, 16, drafts_a)])  # rejected: seq_len stays 16
     again = model.forward([Segment(0, 16, drafts_b)]).logits
     assert torch.equal(first, again)
-    fresh = build(path)
+    fresh = build_runtime(path)
     fresh.forward([Segment(0, 0, ids[:16])])
     assert torch.allclose(fresh.forward([Segment(0, 16, drafts_b)]).logits, first, atol=1e-6)
 
@@ -157,7 +139,7 @@ def test_rollback_then_reverify_gives_identical_logits(tmp_path: Path) -> None:
 def test_last_logits_are_the_last_rows_of_all(tmp_path: Path) -> None:
     path = write_tiny_checkpoint(tmp_path, "qwen3")
     ids = random_ids(2, 12, seed=5)
-    model = build(path)
+    model = build_runtime(path)
     segments = [Segment(0, 0, ids[0, :7].tolist()), Segment(1, 0, ids[1].tolist())]
     everything = model.forward(segments, logits="all")
     last = model.forward(segments, logits="last")
@@ -172,7 +154,7 @@ def test_sliding_window_matches_transformers(tmp_path: Path) -> None:
     config.write_text(config.read_text().replace('"sliding_window": null', '"sliding_window": 8'))
     ids = random_ids(1, 40, seed=9)
     expected = reference_logits(path, ids)[0]
-    model = build(path)
+    model = build_runtime(path)
     model.forward([Segment(0, 0, ids[0, :30].tolist())])
     out = model.forward([Segment(0, 30, ids[0, 30:].tolist())])
     assert (out.logits - expected[30:]).abs().max().item() <= TOL
@@ -187,6 +169,6 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> No
 
 
 def test_segment_beyond_max_len_is_refused(tmp_path: Path) -> None:
-    model = build(write_tiny_checkpoint(tmp_path, "llama"), max_len=16)
+    model = build_runtime(write_tiny_checkpoint(tmp_path, "llama"), max_len=16)
     with pytest.raises(ValueError, match="max_len"):
         model.forward([Segment(0, 10, list(range(7)))])

@@ -15,10 +15,15 @@ from metrale.engine.engine import Engine
 from metrale.engine.load.checkpoint import read_checkpoint
 from metrale.engine.load.loader import load_model
 from metrale.engine.runtime.arch import CheckpointError, MoeSpec
-from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.model import Segment
 from metrale.engine.runtime.moe import MoeWeights, route
-from tests.checkpoints import EOS_ID, load_reference_model
+from tests.checkpoints import (
+    EOS_ID,
+    build_runtime,
+    load_reference_model,
+    random_ids,
+    reference_logits,
+)
 from tests.moe_checkpoints import CLASSES, write_moe_checkpoint
 
 TOL = 1e-4
@@ -27,29 +32,6 @@ TOL = 1e-4
 @pytest.fixture(scope="module", params=sorted(CLASSES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_moe_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
-
-
-def build(path: Path, num_slots: int = 4, max_len: int = 96) -> LlamaModel:
-    ckpt = read_checkpoint(path)
-    return LlamaModel(
-        ckpt.spec,
-        ckpt.hf_config,
-        ckpt.weights,
-        num_slots=num_slots,
-        max_len=max_len,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
-
-
-def random_ids(num_seqs: int, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 256, (num_seqs, length), generator=torch.Generator().manual_seed(seed))
-
-
-def reference_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        logits: torch.Tensor = load_reference_model(path)(ids).logits
-    return logits  # [num_seqs, length, vocab]
 
 
 def test_the_config_is_read_as_the_family_defines_it(checkpoint: Path) -> None:
@@ -71,14 +53,14 @@ def test_the_config_is_read_as_the_family_defines_it(checkpoint: Path) -> None:
 def test_prefill_logits_equal_transformers(checkpoint: Path) -> None:
     ids = random_ids(1, 40)
     expected = reference_logits(checkpoint, ids)[0]
-    out = build(checkpoint).forward([Segment(0, 0, ids[0].tolist())])
+    out = build_runtime(checkpoint).forward([Segment(0, 0, ids[0].tolist())])
     assert (out.logits - expected).abs().max().item() <= TOL
 
 
 def test_ragged_verify_rows_of_several_sequences_equal_transformers(checkpoint: Path) -> None:
     ids = random_ids(3, 48, seed=2)
     expected = reference_logits(checkpoint, ids)
-    model = build(checkpoint)
+    model = build_runtime(checkpoint)
     model.forward([Segment(2, 0, ids[0, :30].tolist()), Segment(0, 0, ids[1, :20].tolist())])
     model.forward([Segment(3, 0, ids[2, :10].tolist())])
     rows = [(3, 10, 2, 48), (2, 30, 0, 34), (0, 20, 1, 21)]  # a chunk, a verify of 4, a decode
@@ -93,10 +75,10 @@ def test_ragged_rows_equal_each_sequence_alone(checkpoint: Path) -> None:
     starts = (12, 5, 20)
     alone = []
     for seq in range(3):
-        model = build(checkpoint)
+        model = build_runtime(checkpoint)
         model.forward([Segment(1, 0, ids[seq, : starts[seq]].tolist())])
         alone.append(model.forward([Segment(1, starts[seq], ids[seq, starts[seq] :].tolist())]))
-    together = build(checkpoint)
+    together = build_runtime(checkpoint)
     slots = (3, 0, 2)
     together.forward([Segment(slots[q], 0, ids[q, : starts[q]].tolist()) for q in range(3)])
     out = together.forward(
@@ -162,7 +144,7 @@ def test_a_layer_whose_weights_disagree_with_the_config_is_refused(tmp_path: Pat
     config["mlp_only_layers"] = []  # now layer 1 should be MoE, but its weights are dense
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp.*MoE block"):
-        build(path)
+        build_runtime(path)
 
 
 @pytest.mark.parametrize(
