@@ -74,7 +74,7 @@ class Engine:
         self.model = model
         self.config = config
         self._decode = _as_decode(tokenizer)
-        self._drafter = MtpDrafter(mtp[0], config.mtp_min_prob) if mtp and config.mtp else None
+        self._drafter = MtpDrafter(mtp, config.mtp_min_prob) if mtp and config.mtp else None
         self._eos = frozenset(eos_token_ids)
         self._scope_fields = (model_name, tokenizer_name, adapter)
         shared = config.shared_lookup_config()
@@ -82,7 +82,7 @@ class Engine:
         self._num_slots = min(model.num_slots, config.max_batch)
         self._max_len = model.max_len
         if self._drafter is not None:
-            assert self._drafter.module.num_slots >= self._num_slots, "MTP slots < model slots"
+            assert self._drafter.num_slots >= self._num_slots, "MTP slots < model slots"
             self._max_len = min(self._max_len, self._drafter.max_len)
         self._free_slots = list(range(self._num_slots - 1, -1, -1))
         self._waiting: deque[Request] = deque()
@@ -298,11 +298,11 @@ class Engine:
         first_rows: list[int],
         hidden: torch.Tensor,  # [num_rows, hidden_size] of the verify
     ) -> None:
-        """Feeds the MTP module every position the verify made final (rows
+        """Feeds the MTP modules every position the verify made final (rows
         ``0..accepted`` of each sequence: ``h`` of ``last_token`` and of each
-        accepted draft, with the token after each) and chains the next drafts.
-        The chain's own entries are rewritten whatever was accepted, as if
-        none of its drafts had been (see ``spec/mtp.py`` for why)."""
+        accepted draft, with the token after each) and drafts the next chain.
+        The entries the drafts wrote are rewritten whatever was accepted, as
+        if none of them had been (see ``spec/mtp.py`` for why)."""
         if self._drafter is None:
             return
         running = sum(1 for s in self._decoding if not s.finished)

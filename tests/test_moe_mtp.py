@@ -1,14 +1,17 @@
 """MTP layers of the MoE families in the DeepSeek layout, against transformers' MtpModel.
 
-The checkpoint's MTP layer is drawn in transformers' own ``MtpModel`` (the
+The checkpoint's MTP layers are drawn in transformers' own ``MtpModel`` (the
 module ``generate(use_mtp=True)`` drafts with) and written under the public
-keys a hub checkpoint uses: ``model.layers.{num_hidden_layers}.{enorm, hnorm,
-eh_proj, shared_head.norm}`` and the full block (MLA or GQA attention, MoE
-experts under their per-expert keys) beside them.
+keys a hub checkpoint uses: ``model.layers.{num_hidden_layers + i}.{enorm,
+hnorm, eh_proj, shared_head.norm}`` and the full block (MLA or GQA attention,
+MoE experts under their per-expert keys) beside them. With two layers
+(``num_nextn_predict_layers: 2``) they run in order, layer 1 one position
+ahead on layer 0's output, as ``MtpModel.forward`` runs them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +24,26 @@ from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine
 from metrale.engine.load.loader import load_model
 from metrale.engine.runtime.model import Segment
+from metrale.engine.sequence import SeqState
+from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
+from metrale.engine.stats import EngineStats
+from metrale.lookup import PromptLookupConfig
 from tests.checkpoints import EOS_ID
 from tests.moe_checkpoints import redraw, write_moe_checkpoint
 
 FAMILIES = ("deepseek_v3", "glm4_moe")
 
 
-def public_mtp_tensors(mtp: Any, layer: int, expert_size: int) -> dict[str, torch.Tensor]:
-    """``MtpModel``'s first layer under the public checkpoint keys."""
+def public_mtp_tensors(
+    mtp: Any, layer: int, expert_size: int, index: int = 0
+) -> dict[str, torch.Tensor]:
+    """``MtpModel``'s layer ``index`` under the public checkpoint keys of ``layer``."""
     out: dict[str, torch.Tensor] = {}
-    at = f"model.layers.{layer}."
+    at, own = f"model.layers.{layer}.", f"layers.{index}."
     for name, tensor in mtp.state_dict().items():
-        if not name.startswith("layers.0."):
+        if not name.startswith(own):
             continue  # the embedding and head are the main model's
-        name = name.removeprefix("layers.0.").removeprefix("mtp_block.")
+        name = name.removeprefix(own).removeprefix("mtp_block.")
         name = name.replace("post_norm.", "shared_head.norm.")
         if name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 * size, hidden], gate first
             for e, both in enumerate(tensor):
@@ -48,29 +57,43 @@ def public_mtp_tensors(mtp: Any, layer: int, expert_size: int) -> dict[str, torc
     return out
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def with_mtp(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, Any, Any]:
-    """A checkpoint with one MTP layer, and transformers' model and MtpModel of it."""
+def write_with_mtp(path: Path, family: str, num_layers: int) -> tuple[Path, Any, Any]:
+    """A checkpoint with ``num_layers`` MTP layers, and transformers' model and MtpModel of it."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import MtpModel
 
-    family = request.param
-    path = write_moe_checkpoint(tmp_path_factory.mktemp(family), family)
+    path = write_moe_checkpoint(path, family, num_nextn_predict_layers=num_layers)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    mtp = MtpModel(model, 1).float().eval()
+    mtp = MtpModel(model, num_layers).float().eval()
     model.load_state_dict(saved)  # MtpModel's init re-draws the embedding and head it shares
     shared = {id(t) for t in (*model.parameters(), *model.buffers())}
     redraw_own(mtp, shared, seed=1)
     weights = load_file(str(path / "model.safetensors"))
     layer, size = model.config.num_hidden_layers, model.config.moe_intermediate_size
-    weights.update(public_mtp_tensors(mtp, layer, size))
+    for index in range(num_layers):
+        weights.update(public_mtp_tensors(mtp, layer + index, size, index))
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = (path / "config.json").read_text()
-    assert '"num_nextn_predict_layers": 1' in config, "the config announces the layer"
+    announced = f'"num_nextn_predict_layers": {num_layers}'
+    assert announced in config, "the config announces the layers"
     return path, model, mtp
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def with_mtp(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Any, Any]:
+    """A checkpoint with one MTP layer, and transformers' model and MtpModel of it."""
+    return write_with_mtp(tmp_path_factory.mktemp(request.param), request.param, 1)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def with_two_mtp(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Any, Any]:
+    """A checkpoint with two MTP layers, and transformers' model and MtpModel of them."""
+    return write_with_mtp(tmp_path_factory.mktemp(request.param), request.param, 2)
 
 
 def redraw_own(mtp: Any, shared: set[int], seed: int) -> None:
@@ -81,9 +104,11 @@ def redraw_own(mtp: Any, shared: set[int], seed: int) -> None:
     assert all(id(t) not in shared for t in own.parameters())
 
 
-def reference_first_draft(model: Any, mtp: Any, prompt: list[int]) -> tuple[int, torch.Tensor]:
-    """transformers' greedy token after ``prompt``, then its MTP module's draft
-    of the token after that, with its logits ``[vocab]``."""
+def reference_drafts(model: Any, mtp: Any, history: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers' MtpModel drafts, one per layer, after ``history`` (tokens
+    ``0..L``, token ``L`` not yet fed to the main model), from scratch: the
+    main model's pre-norm hidden rows ``0..L-1``, then every layer in order.
+    Returns the drafts and their logits ``[num_layers, vocab]``."""
     captured: dict[str, torch.Tensor] = {}
 
     def keep_pre_norm(_module: Any, args: tuple[torch.Tensor, ...], _out: Any) -> None:
@@ -91,20 +116,26 @@ def reference_first_draft(model: Any, mtp: Any, prompt: list[int]) -> tuple[int,
 
     hook = model.model.norm.register_forward_hook(keep_pre_norm)
     with torch.no_grad():
-        ids = torch.tensor([prompt])
-        token = int(model(ids).logits[0, -1].argmax())
+        model(torch.tensor([history[:-1]]))
         hook.remove()
-        shifted = torch.tensor([[*prompt[1:], token]])
-        positions = torch.arange(len(prompt))[None]
         drafts, logits, _ = mtp(
-            input_ids=shifted,
+            input_ids=torch.tensor([history[1:]]),
             last_hidden_states=captured["h"],
             attention_mask=None,
-            position_ids=positions,
+            position_ids=torch.arange(len(history) - 1)[None],
             mtp_cache=None,
         )
-    assert int(drafts[0, 0]) == int(logits[0, 0].argmax()), "a greedy draft is the argmax"
-    return token, logits[0, 0]
+    assert drafts[0].tolist() == logits[0].argmax(dim=-1).tolist(), "greedy drafts are argmaxes"
+    return drafts[0].tolist(), logits[0]
+
+
+def reference_first_draft(model: Any, mtp: Any, prompt: list[int]) -> tuple[int, torch.Tensor]:
+    """transformers' greedy token after ``prompt``, then its MTP module's draft
+    of the token after that, with its logits ``[vocab]``."""
+    with torch.no_grad():
+        token = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+    _, logits = reference_drafts(model, mtp, [*prompt, token])
+    return token, logits[0]
 
 
 def test_the_first_mtp_draft_equals_transformers_mtp_module(
@@ -114,7 +145,7 @@ def test_the_first_mtp_draft_equals_transformers_mtp_module(
     loaded = load_model(path, RuntimeConfig(device="cpu", num_slots=2, max_len=96))
     assert len(loaded.mtp) == 1 and loaded.info.mtp_layout == "deepseek"
     for n in (6, 13, 21):
-        prompt = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        prompt = prompt_of(n)
         token, expected = reference_first_draft(model, mtp, prompt)
         main = loaded.model.forward([Segment(0, 0, prompt)])
         assert int(main.logits[-1].argmax()) == token
@@ -123,20 +154,102 @@ def test_the_first_mtp_draft_equals_transformers_mtp_module(
         assert int(ours.logits[0].argmax()) == int(expected.argmax())
 
 
-def test_greedy_output_with_mtp_equals_without(with_mtp: tuple[Path, Any, Any]) -> None:
-    path, _, _ = with_mtp
+def prompt_of(n: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+def greedy_with_and_without_mtp(path: Path) -> tuple[dict[bool, dict[str, Any]], EngineStats]:
+    """Greedy outputs of three prompts by MTP on and off, and the figures of the run with it."""
     loaded = load_model(path, RuntimeConfig(device="cpu", num_slots=3, max_len=128))
-    prompts = [
-        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-        for n in (5, 11, 17)
-    ]
     params = SamplingParams(max_tokens=24, eos_token_ids=(EOS_ID,))
-    requests = [Request(str(i), tuple(p), params) for i, p in enumerate(prompts)]
-    outputs = {}
+    requests = [Request(str(n), tuple(prompt_of(n)), params) for n in (5, 11, 17)]
+    outputs, stats = {}, []
     for mtp_on in (True, False):
         config = EngineConfig(max_batch=3, mtp=mtp_on, mtp_min_prob=0.0, prompt_lookup=None)
         engine = Engine.from_loaded(loaded, config)
         outputs[mtp_on] = {r.request_id: r.output_ids for r in engine.generate(requests)}
-        if mtp_on:
-            assert engine.stats().mtp_proposed > 0
+        stats.append(engine.stats())
+    return outputs, stats[0]
+
+
+def test_greedy_output_with_mtp_equals_without(with_mtp: tuple[Path, Any, Any]) -> None:
+    outputs, stats = greedy_with_and_without_mtp(with_mtp[0])
+    assert stats.mtp_proposed > 0
+    assert outputs[True] == outputs[False]
+
+
+def test_the_drafts_after_a_prefill_equal_transformers_mtp_model_layer_by_layer(
+    with_two_mtp: tuple[Path, Any, Any],
+) -> None:
+    path, model, mtp = with_two_mtp
+    loaded = load_model(path, RuntimeConfig(device="cpu", num_slots=2, max_len=96))
+    assert len(loaded.mtp) == 2
+    drafter = MtpDrafter(loaded.mtp)
+    for n in (6, 13, 21):
+        prompt = prompt_of(n)
+        main = loaded.model.forward([Segment(0, 0, prompt)])
+        token = int(main.logits[-1].argmax())
+        expected, expected_logits = reference_drafts(model, mtp, [*prompt, token])
+        seq = SeqState(
+            Request("r", tuple(prompt), SamplingParams(max_tokens=8)),
+            0,
+            96,
+            frozenset(),
+            None,
+            None,
+            history=[*prompt, token],
+            seq_len=n,
+        )
+        drafter.feed_and_draft([DraftFeed(seq, 0, [*prompt[1:], token], 3)], main.hidden)
+        # Two layers draft two tokens, though three were asked for.
+        assert seq.pending_drafts == expected
+        # Layer by layer on slot 1: layer 1 reads layer 0's rows and d_1. transformers
+        # rotates its row p at p + 1, metrale at p: the scores are the same.
+        next_ids = [*prompt[1:], token]
+        first = loaded.mtp[0].forward([Segment(1, 0, next_ids)], main.hidden, "all")
+        second = loaded.mtp[1].forward(
+            [Segment(1, 0, [*next_ids[1:], expected[0]])], first.hidden, "last"
+        )
+        assert (first.logits[-1] - expected_logits[0]).abs().max().item() <= 1e-4
+        assert (second.logits[0] - expected_logits[1]).abs().max().item() <= 1e-4
+
+
+def test_drafts_after_engine_steps_equal_a_recomputation_from_the_verified_prefix(
+    with_two_mtp: tuple[Path, Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Copies are accepted now and then, so feeds of several rows (and, with a
+    # short prefill chunk, prompts fed in pieces) reach the drafter as well.
+    path, model, mtp = with_two_mtp
+    loaded = load_model(path, RuntimeConfig(device="cpu", num_slots=3, max_len=128))
+    seen: list[tuple[list[int], list[int]]] = []
+    verified_rows: list[int] = []  # rows of each feed after a verify
+    feed_and_draft = MtpDrafter.feed_and_draft
+
+    def recording(self: MtpDrafter, feeds: Sequence[DraftFeed], hidden: torch.Tensor) -> None:
+        feed_and_draft(self, feeds, hidden)
+        for f in feeds:
+            if f.start >= f.seq.prompt_len:
+                verified_rows.append(len(f.next_ids))
+            if f.num_drafts > 0:
+                seen.append((f.seq.history[: f.end + 1], list(f.seq.pending_drafts)))
+
+    monkeypatch.setattr(MtpDrafter, "feed_and_draft", recording)
+    lookup = PromptLookupConfig(ngram=2, min_match=2)
+    config = EngineConfig(max_batch=3, mtp_min_prob=0.0, prefill_chunk=8, prompt_lookup=lookup)
+    engine = Engine.from_loaded(loaded, config)
+    prompts = [prompt_of(5), prompt_of(17), [7, 8, 9, 10] * 5]
+    params = SamplingParams(max_tokens=32, eos_token_ids=(EOS_ID,))
+    list(engine.generate([Request(str(i), tuple(p), params) for i, p in enumerate(prompts)]))
+    assert max(verified_rows) > 1 and engine.stats().prefills > len(prompts)
+    assert max(len(drafts) for _, drafts in seen) == 2 and len(seen) > 30
+    for history, drafts in seen:
+        assert drafts == reference_drafts(model, mtp, history)[0][: len(drafts)]
+
+
+def test_greedy_output_with_two_mtp_layers_equals_without(
+    with_two_mtp: tuple[Path, Any, Any],
+) -> None:
+    outputs, stats = greedy_with_and_without_mtp(with_two_mtp[0])
+    proposed = stats.mtp_proposed_by_position
+    assert len(proposed) == 2 and proposed[1] > 0  # one draft per layer, no more
     assert outputs[True] == outputs[False]

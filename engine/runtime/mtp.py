@@ -19,6 +19,18 @@ Verification is unchanged, so output stays exactly the model's.
 with the module's own draft gives a chain. The block writes its own slot KV
 cache at positions ``p``, so the cache must hold every accepted position.
 
+Several modules (``num_nextn_predict_layers > 1``) are stacked, as
+transformers' ``MtpModel`` runs them: module ``k`` (its depth) at source row
+``p`` takes module ``k-1``'s output at row ``p`` and token ``p+1+k`` and
+predicts token ``p+2+k``. At ``k > 0`` the hidden it reads first goes through
+module ``k-1``'s final norm (``input_norm``): transformers' layer hands on its
+post-norm output, which is also what its LM head reads. Its segments address
+rows: cache position ``p`` holds row ``p``, so every position from 0 is
+written. transformers rotates row ``p`` at position ``p+k``; rotating it at
+``p`` gives the same attention scores, since a rotary embedding enters them
+only through the difference of two positions (every supported scaling keeps
+the frequencies fixed), and the module keeps the model's own table.
+
 Layouts (key prefixes and the config fields that announce them):
 - ``deepseek`` (DeepSeek-V3/R1, GLM-4.5): ``model.layers.{num_hidden_layers + i}.``
   ``enorm, hnorm, eh_proj, shared_head.norm`` (+ optional ``shared_head.head``);
@@ -34,6 +46,7 @@ A module's block is the main model's block type, MoE included (``load_block``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +120,9 @@ class MtpWeights:
     # Sorted token ids the head drafts from: its LM head computes only these
     # rows (a standalone head's `draft_vocab`); None: the whole vocabulary.
     draft_vocab: torch.Tensor | None = None
+    # [hidden] at depth k > 0: module k-1's final norm, applied to the hidden
+    # it hands on (see module doc); None at depth 0.
+    input_norm: torch.Tensor | None = None
 
 
 class MtpLayer:
@@ -151,7 +167,10 @@ class MtpLayer:
         )
         assert hidden.shape[0] == plan.num_tokens, "one hidden row per segment token"
         emb = rms_norm(F.embedding(plan.token_ids, model.head.embed), w.token_norm, eps)
-        hid = rms_norm(hidden.to(model.dtype), w.hidden_norm, eps)
+        hidden = hidden.to(model.dtype)
+        if w.input_norm is not None:
+            hidden = rms_norm(hidden, w.input_norm, eps)
+        hid = rms_norm(hidden, w.hidden_norm, eps)
         both = torch.cat(
             [hid, emb] if w.hidden_first else [emb, hid], dim=-1
         )  # [num_tokens, 2 * hidden]
@@ -167,12 +186,12 @@ class MtpLayer:
 def load_checkpoint_mtp(
     model: LlamaModel, store: WeightStore, found: MtpFound, packed: PackedSource | None = None
 ) -> list[MtpLayer]:
-    """Builds the modules a checkpoint ships in one of the public layouts;
-    linear weights ``packed`` has are taken from it."""
-    return [
-        MtpLayer(model, _read_layout(model, store, found.layout, i, packed))
-        for i in range(found.count)
-    ]
+    """Builds the modules a checkpoint ships in one of the public layouts, in
+    stack order; linear weights ``packed`` has are taken from it."""
+    weights = [_read_layout(model, store, found.layout, i, packed) for i in range(found.count)]
+    for before, after in itertools.pairwise(weights):
+        after.input_norm = before.final_norm
+    return [MtpLayer(model, w) for w in weights]
 
 
 def _read_layout(

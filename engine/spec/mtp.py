@@ -1,25 +1,44 @@
-"""The MTP drafter: feeds verified positions to an MTP module and chains drafts.
+"""The MTP drafter: feeds verified positions to the MTP modules and drafts from them.
 
-Contract: the module keeps its own KV cache in the same slots as the main
-model. At position ``p`` it takes the main model's pre-norm hidden ``h_p`` and
-token ``p+1`` and predicts token ``p+2``. For a decoding sequence with
-``seq_len == L`` (tokens ``0..L-1`` in the main cache, ``last_token`` is
-token ``L``) the module's cache holds positions ``0..L-1``, fed from the main
-model's hidden states; position ``L-1`` (with ``last_token``) gives the first
-draft, and each further draft feeds the module its own output hidden and its
-own previous draft at the next position (a chain).
+Contract: each module keeps its own KV cache in the same slots as the main
+model. Module ``k`` (its depth, 0-based) at source row ``p`` takes a hidden
+row and token ``p+1+k`` and predicts token ``p+2+k``; module 0 reads the main
+model's pre-norm hidden ``h_p``, module ``k > 0`` module ``k-1``'s output at
+row ``p`` (the norm handed on, and why the row is rotated at ``p`` rather
+than at ``p+k``, are the module's business, ``runtime/mtp.py``); a segment
+addresses rows, so module ``k``'s cache position ``p`` is row ``p``. For a
+decoding sequence with
+``seq_len == L`` (tokens ``0..L-1`` in the main cache, ``last_token`` is token
+``L``) module ``k``'s cache holds rows ``0..L-1-k``: every row whose token is
+final, fed from final hidden rows. Row ``L-1`` of module 0 (token
+``last_token``) gives the first draft ``d_1``; module ``k`` at row ``L-1``,
+reading ``d_k``, gives ``d_{k+1}``. Module ``k`` therefore also runs rows
+``L-k..L-1``, which read the drafts ``d_1..d_k`` (as transformers' ``MtpModel``
+runs each layer over the whole window shifted by one).
 
-Positions the chain wrote (``L, L+1, ..``) are never kept: they were computed
-from the module's own hidden states, not from ``h``. After a verify that
-advanced the sequence from ``L`` to ``L'``, the engine loop feeds positions
-``L..L'-1`` again from the verify's hidden rows, overwriting the chain's. So
-the module is trimmed as if none of its drafts were accepted, in every case,
-which keeps it on the inputs it was trained on (the main model's hidden
-states, never its own); whether the verified drafts were the drafter's own
-only decides which figures count them (see ``copies.py``).
+Rows a module computed from drafts are never kept: after a verify that
+advanced the sequence from ``L`` to ``L'``, the engine loop feeds rows
+``L..L'-1`` to module 0 again from the verify's hidden rows, and module ``k``
+then runs rows ``L-k..L'-1-k`` with the same tokens, overwriting whatever its
+draft rows wrote. So every module is trimmed as if none of the drafts were
+accepted, in every case, which keeps each on the inputs it was trained on
+(final hidden states, never ones computed from a draft); whether the verified
+drafts were the drafter's own only decides which figures count them (see
+``copies.py``). Module ``k``'s first row of a step, ``L-k``, reads module
+``k-1``'s output at that row, which module ``k-1`` computed a step earlier as
+the last row it was fed: the drafter keeps that one row per slot and module
+(``_last``) rather than recompute it, which would need the main
+model's hidden rows of the earlier step too (transformers keeps every one of
+them and re-runs the whole stack on the last positions instead).
 
-With several MTP modules only the first is driven, applied repeatedly: every
-public layout ships one, and chaining one module needs one cache.
+More drafts asked for than modules: a lone module is chained, as before:
+each further draft feeds it its own output hidden and its own previous draft
+at the next position (vLLM's default MTP proposer reuses one layer the same
+way, warning that acceptance drops). With several modules the drafts stop at
+one per module: transformers' ``MtpModel`` drafts exactly ``num_mtp_layers``
+tokens, and vLLM's ``MultiLayerEagleProposer``, which runs the layers in
+order, sets ``num_speculative_tokens`` to the number of layers. A module
+reused at a depth it was not trained for is rarely right.
 
 Confidence: a greedy chain stops at the first position where the module's
 softmax has no token of probability ``min_prob`` or more. Each draft costs a
@@ -52,57 +71,79 @@ class DraftFeed:
     """Positions ``start..start+len(next_ids)`` of ``seq``'s slot to feed, with
     the tokens that follow each (so ``next_ids[-1]`` is the sequence's
     ``last_token`` when the feed reaches ``seq_len``), then ``num_drafts``
-    drafts to chain from the last one (0: feed only)."""
+    drafts to chain from the last one (0: feed only). A slot's feed starts
+    where its previous one ended."""
 
     seq: SeqState
     start: int
     next_ids: Sequence[int]
     num_drafts: int
 
+    @property
+    def end(self) -> int:
+        return self.start + len(self.next_ids)
+
 
 class MtpDrafter:
-    def __init__(self, module: MtpModule, min_prob: float = 0.0) -> None:
-        self.module = module
+    """Drafts from ``modules``, in stack order, or from one module (see module doc)."""
+
+    def __init__(self, modules: MtpModule | Sequence[MtpModule], min_prob: float = 0.0) -> None:
+        self.modules = list(modules) if isinstance(modules, Sequence) else [modules]
+        assert self.modules, "a drafter needs at least one module"
         self.min_prob = min_prob
+        # Per module but the last: [num_slots, hidden_size], its output at the
+        # last final row of each slot's latest feed; made on first use.
+        self._last: list[torch.Tensor] = []
+
+    @property
+    def num_slots(self) -> int:
+        return min(m.num_slots for m in self.modules)
 
     @property
     def max_len(self) -> int:
-        return self.module.max_len
+        return min(m.max_len for m in self.modules)
 
     def feed_and_draft(
         self,
         feeds: Sequence[DraftFeed],
         hidden: torch.Tensor,  # [sum of len(next_ids), hidden_size] main pre-norm hidden, feed order
     ) -> None:
-        """Feeds every ``feed`` in one module forward, then chains; sets the
-        drafts (and, for sampled requests, their distributions) of each feed's
-        sequence that asked for drafts, and clears them for the others."""
+        """Feeds every ``feed`` (one forward per module and further chain
+        position); sets the drafts (and, for sampled requests, their
+        distributions) of each feed's sequence that asked for drafts, and
+        clears them for the others."""
         if not feeds:
             return
-        segments = [Segment(f.seq.slot, f.start, list(f.next_ids)) for f in feeds]
-        out = self.module.forward(segments, hidden, logits="last")
-        # out.logits: [num_feeds, vocab]; out.hidden: [num_tokens, hidden_size]
-        ends = torch.tensor([len(f.next_ids) for f in feeds]).cumsum(0) - 1  # [num_feeds]
         drafts: list[list[int]] = [[] for _ in feeds]
         probs: list[list[torch.Tensor]] = [[] for _ in feeds]
+        if len(self.modules) == 1:
+            self._chain(feeds, hidden, drafts, probs)
+        else:
+            self._stack(feeds, hidden, drafts, probs)
+        for i, feed in enumerate(feeds):
+            feed.seq.set_drafts(drafts[i], torch.stack(probs[i]) if probs[i] else None)
+            feed.seq.drafts_declined = feed.num_drafts > 0 and not drafts[i]
+
+    def _chain(
+        self,
+        feeds: Sequence[DraftFeed],
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        drafts: list[list[int]],
+        probs: list[list[torch.Tensor]],
+    ) -> None:
+        """The lone module: fed, then applied to its own output per draft."""
+        module = self.modules[0]
+        segments = [Segment(f.seq.slot, f.start, list(f.next_ids)) for f in feeds]
+        out = module.forward(segments, hidden, logits="last")
+        # out.logits: [num_feeds, vocab]; out.hidden: [num_tokens, hidden_size]
+        ends = torch.tensor([len(f.next_ids) for f in feeds]).cumsum(0) - 1  # [num_feeds]
         live = [i for i, f in enumerate(feeds) if f.num_drafts > 0]
         index = torch.tensor(live, dtype=torch.long)
         logits = out.logits[index.to(out.logits.device)]  # [num_live, vocab]
         chain_hidden = out.hidden[ends[index].to(out.hidden.device)]  # [num_live, hidden_size]
         depth = 0
         while live:
-            argmax = logits.argmax(dim=-1).tolist()  # [num_live]: one device sync a depth
-            sure = self._sure(logits)  # [num_live]
-            for k, i in enumerate(live):
-                seq = feeds[i].seq
-                if seq.request.params.greedy:
-                    if sure[k]:
-                        drafts[i].append(argmax[k])
-                    continue
-                q = target_probs(logits[k][None, :], seq.request.params)[0]  # [vocab]
-                if depth > 0 or self.min_prob == 0.0 or float(q.max()) >= self.min_prob:
-                    drafts[i].append(_draw(seq, q))
-                    probs[i].append(q)
+            self._choose(feeds, live, logits, depth, drafts, probs)
             depth += 1
             keep = [
                 k
@@ -114,19 +155,104 @@ class MtpDrafter:
             live = [live[k] for k in keep]
             # The chain's next position: the last fed one plus the drafts so far.
             segments = [
-                Segment(
-                    feeds[i].seq.slot,
-                    feeds[i].start + len(feeds[i].next_ids) - 1 + depth,
-                    [drafts[i][-1]],
-                )
-                for i in live
+                Segment(feeds[i].seq.slot, feeds[i].end - 1 + depth, [drafts[i][-1]]) for i in live
             ]
             chain_hidden = chain_hidden[torch.tensor(keep, device=chain_hidden.device)]
-            out = self.module.forward(segments, chain_hidden, logits="last")
+            out = module.forward(segments, chain_hidden, logits="last")
             logits, chain_hidden = out.logits, out.hidden  # [num_live, vocab], [num_live, hidden]
-        for i, feed in enumerate(feeds):
-            feed.seq.set_drafts(drafts[i], torch.stack(probs[i]) if probs[i] else None)
-            feed.seq.drafts_declined = feed.num_drafts > 0 and not drafts[i]
+
+    def _stack(
+        self,
+        feeds: Sequence[DraftFeed],
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        drafts: list[list[int]],
+        probs: list[list[torch.Tensor]],
+    ) -> None:
+        """Every module in order, each over its final rows and, for a feed
+        still drafting, the rows that read the drafts so far."""
+        # The previous module's output rows per feed, from that module's first row.
+        before: list[torch.Tensor | None] = []
+        for depth, module in enumerate(self.modules):
+            rows = [_rows_at(f, depth, d) for f, d in zip(feeds, drafts, strict=True)]
+            fed = [i for i, (_, tokens) in enumerate(rows) if tokens]
+            if depth == 0:
+                rows_in = hidden
+            else:
+                rows_in = self._handed_on(feeds, depth, fed, [len(rows[i][1]) for i in fed], before)
+                self._keep_last_final(feeds, depth - 1, before)
+            before = [None] * len(feeds)
+            if not fed:
+                continue
+            segments = [Segment(feeds[i].seq.slot, *rows[i]) for i in fed]
+            out = module.forward(segments, rows_in, logits="last")
+            # out.logits: [num_fed, vocab]; out.hidden: [num_rows, hidden_size]
+            sizes = [len(rows[i][1]) for i in fed]
+            for i, piece in zip(fed, out.hidden.split(sizes), strict=True):
+                before[i] = piece
+            live = [n for n, i in enumerate(fed) if _drafts_on(feeds[i], depth, drafts[i])]
+            if live:
+                index = torch.tensor(live, device=out.logits.device)
+                logits = out.logits[index]  # [num_live, vocab]
+                self._choose(feeds, [fed[n] for n in live], logits, depth, drafts, probs)
+
+    def _handed_on(
+        self,
+        feeds: Sequence[DraftFeed],
+        depth: int,
+        fed: list[int],
+        sizes: list[int],
+        before: list[torch.Tensor | None],
+    ) -> torch.Tensor:  # [sum(sizes), hidden_size]
+        """Module ``depth``'s input rows: module ``depth-1``'s output at the
+        same rows. Its first row, ``start - depth``, was the last row module
+        ``depth-1`` was fed a step earlier, so it comes from ``_last``."""
+        parts: list[torch.Tensor] = []
+        for i, size in zip(fed, sizes, strict=True):
+            rows = before[i]
+            assert rows is not None, "a module runs no row its predecessor skipped"
+            if feeds[i].start >= depth:
+                parts.append(self._last[depth - 1][feeds[i].seq.slot][None])
+                size -= 1
+            assert rows.shape[0] >= size, "the predecessor ran every row handed on"
+            parts.append(rows[:size])
+        return torch.cat(parts)
+
+    def _keep_last_final(
+        self, feeds: Sequence[DraftFeed], depth: int, out: list[torch.Tensor | None]
+    ) -> None:
+        """Keeps module ``depth``'s output at each feed's last final row,
+        ``end - 1 - depth``, for the next step's module ``depth + 1``."""
+        for feed, rows in zip(feeds, out, strict=True):
+            row = feed.end - 1 - depth
+            if rows is None or row < 0:
+                continue
+            if len(self._last) <= depth:
+                self._last.append(rows.new_zeros(self.num_slots, rows.shape[-1]))
+            self._last[depth][feed.seq.slot] = rows[row - max(0, feed.start - depth)]
+
+    def _choose(
+        self,
+        feeds: Sequence[DraftFeed],
+        live: list[int],
+        logits: torch.Tensor,  # [len(live), vocab] each live feed's next draft position
+        depth: int,
+        drafts: list[list[int]],
+        probs: list[list[torch.Tensor]],
+    ) -> None:
+        """Appends each live feed's draft at ``depth``, unless the confidence
+        rule (module doc) holds it back."""
+        argmax = logits.argmax(dim=-1).tolist()  # [num_live]: one device sync a depth
+        sure = self._sure(logits)  # [num_live]
+        for k, i in enumerate(live):
+            seq = feeds[i].seq
+            if seq.request.params.greedy:
+                if sure[k]:
+                    drafts[i].append(argmax[k])
+                continue
+            q = target_probs(logits[k][None, :], seq.request.params)[0]  # [vocab]
+            if depth > 0 or self.min_prob == 0.0 or float(q.max()) >= self.min_prob:
+                drafts[i].append(_draw(seq, q))
+                probs[i].append(q)
 
     def _sure(self, logits: torch.Tensor) -> list[bool]:
         """Per row of ``logits`` ``[rows, vocab]``: whether the greedy draft is
@@ -135,6 +261,25 @@ class MtpDrafter:
             return [True] * logits.shape[0]
         top = logits.float().softmax(dim=-1).amax(dim=-1)  # [rows]
         return (top >= self.min_prob).tolist()
+
+
+def _drafts_on(feed: DraftFeed, depth: int, drafts: list[int]) -> bool:
+    """Whether module ``depth`` drafts for ``feed``: it was given every draft
+    before this depth and asked for one more."""
+    return len(drafts) == depth and feed.num_drafts > depth
+
+
+def _rows_at(feed: DraftFeed, depth: int, drafts: list[int]) -> tuple[int, list[int]]:
+    """``(first row, tokens)`` module ``depth`` runs for ``feed``: row ``p``
+    reads token ``p+1+depth``, so the rows whose token the feed made final are
+    ``start-depth..end-1-depth`` (none below 0) with the feed's own tokens;
+    when it drafts on, rows ``end-depth..end-1`` follow with the drafts so
+    far. For example ``start=5, end=7, depth=2`` and drafts ``[a, b]``: rows
+    3..6 read ``t_6, t_7, a, b``."""
+    tokens = list(feed.next_ids)[max(0, depth - feed.start) :]
+    if _drafts_on(feed, depth, drafts):
+        tokens += drafts[max(0, depth - feed.end) :]
+    return max(0, feed.start - depth), tokens
 
 
 def _draw(seq: SeqState, q: torch.Tensor) -> int:
