@@ -1,0 +1,181 @@
+"""The metadata of a Llama-family GGUF, as the two configs of a HF checkpoint.
+
+Contract: ``model_config(fields, arch, tensor_names, gguf_path, rope_divisors)``
+returns ``config.json`` as transformers writes it for the model the GGUF's
+metadata describes (``{arch}.*`` keys, the tokenizer's special ids, tied
+embeddings where the file has no ``output.weight``), and
+``generation_config(fields)`` its ``generation_config.json`` (EOS with the
+end-of-turn token). A value the runtime cannot honour exactly (a head size
+that differs between keys and values, partial rotary, unknown RoPE scaling,
+experts) raises ``GgufError`` naming the key; ``architecture(fields)``
+checks the architecture and experts alone, before any tensor is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from metrale.engine.load import gguf_rope
+from metrale.engine.runtime.arch import CheckpointError
+
+# general.architecture -> (transformers model_type, architectures entry)
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+SUPPORTED_ARCHS = "llama (Llama, SmolLM, Mistral), qwen2, qwen3"
+
+
+class GgufError(CheckpointError):
+    """A GGUF metrale cannot convert exactly; the message names what and why."""
+
+
+def architecture(fields: Any, gguf_path: Path) -> str:
+    """``general.architecture``, refused unless the runtime runs it, or when
+    it holds experts (``{arch}.expert_count``: Mixtral is a llama GGUF)."""
+    arch = str(_value(fields, "general.architecture", gguf_path))
+    if arch not in ARCHITECTURES:
+        raise GgufError(
+            f"{gguf_path.name}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {SUPPORTED_ARCHS}"
+        )
+    experts = fields.get(f"{arch}.expert_count")
+    if experts is not None and experts.contents():
+        raise GgufError(
+            f"{gguf_path.name}: {arch}.expert_count is {experts.contents()} (a mixture of "
+            "experts, such as Mixtral); metrale converts dense GGUF models only"
+        )
+    return arch
+
+
+def model_config(
+    fields: Any,
+    arch: str,
+    tensor_names: set[str],
+    gguf_path: Path,
+    rope_divisors: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """config.json as transformers writes it for the model the metadata describes
+    (``rope_divisors``: ``rope_freqs.weight``, llama3's scaling, when the file has it)."""
+    from transformers import AutoConfig
+
+    def need(key: str) -> Any:
+        return _value(fields, f"{arch}.{key}", gguf_path)
+
+    def opt(key: str) -> Any:
+        field = fields.get(f"{arch}.{key}")
+        return None if field is None else field.contents()
+
+    heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    head_dim = _head_dim(opt, hidden // heads, gguf_path)
+    model_type, class_name = ARCHITECTURES[arch]
+    kv_heads = opt("attention.head_count_kv")
+    bos, eos, pad = (_token_id(fields, k) for k in ("bos", "eos", "padding"))
+    values: dict[str, Any] = dict(
+        vocab_size=int(opt("vocab_size") or _vocab_size(fields, gguf_path)),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=int(need("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads if kv_heads is not None else heads),
+        max_position_embeddings=int(need("context_length")),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_parameters=_rope(opt, gguf_path, rope_divisors, head_dim),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    if opt("attention.key_length") is not None:
+        values["head_dim"] = head_dim
+    if arch == "llama" and "blk.0.attn_q.bias" in tensor_names:
+        values["attention_bias"] = True
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if v is not None})
+    config.architectures = [class_name]
+    out: dict[str, Any] = config.to_dict()
+    return out
+
+
+def _head_dim(opt: Any, default: int, gguf_path: Path) -> int:
+    """``attention.key_length`` (else hidden / heads), refused where values
+    or the rotary part differ from it: the runtime's layout needs them equal."""
+    head_dim = int(opt("attention.key_length") or default)
+    for key in ("attention.value_length", "rope.dimension_count"):
+        value = opt(key)
+        if value is not None and int(value) != head_dim:
+            raise GgufError(
+                f"{gguf_path.name}: {key} is {value}, not the head size {head_dim}; "
+                "metrale converts models whose heads are fully rotary and of one size"
+            )
+    return head_dim
+
+
+def _rope(opt: Any, gguf_path: Path, divisors: np.ndarray | None, head_dim: int) -> dict[str, Any]:
+    """``rope_parameters`` from ``rope.freq_base`` and ``rope.scaling.*``, or
+    from the divisors of llama3 scaling (``gguf_rope.py``)."""
+    theta = float(opt("rope.freq_base") or 10000.0)
+    kind = opt("rope.scaling.type") or "none"
+    if divisors is not None and kind == "none":
+        try:
+            return gguf_rope.llama3_parameters(divisors, theta, head_dim)
+        except ValueError as exc:
+            raise GgufError(
+                f"{gguf_path.name}: {gguf_rope.NAME} holds RoPE divisors that no llama3 "
+                f"scaling gives ({exc})"
+            ) from exc
+    if kind == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    factor = float(opt("rope.scaling.factor") or 1.0)
+    if kind == "linear":
+        return {"rope_type": "linear", "rope_theta": theta, "factor": factor}
+    if kind == "yarn":
+        original = opt("rope.scaling.original_context_length")
+        if original is None:
+            raise GgufError(f"{gguf_path.name}: yarn RoPE without original_context_length")
+        return {
+            "rope_type": "yarn",
+            "rope_theta": theta,
+            "factor": factor,
+            "original_max_position_embeddings": int(original),
+        }
+    raise GgufError(
+        f"{gguf_path.name}: rope.scaling.type {kind!r} is not supported (none, linear, yarn)"
+    )
+
+
+def generation_config(fields: Any) -> dict[str, Any]:
+    """generation_config.json: BOS, EOS (with the end-of-turn token when the
+    file names another one) and padding, as the tokenizer metadata gives them."""
+    found = (_token_id(fields, "eos"), _token_id(fields, "eot"))
+    eos = list(dict.fromkeys(i for i in found if i is not None))
+    values = {
+        "bos_token_id": _token_id(fields, "bos"),
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "pad_token_id": _token_id(fields, "padding"),
+    }
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def _vocab_size(fields: Any, gguf_path: Path) -> int:
+    """Tokens in the vocabulary, where the architecture's key does not say."""
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise GgufError(f"{gguf_path.name}: the file has no tokenizer (tokenizer.ggml.tokens)")
+    return len(tokens.data)
+
+
+def _token_id(fields: Any, kind: str) -> int | None:
+    field = fields.get(f"tokenizer.ggml.{kind}_token_id")
+    return None if field is None else int(field.contents())
+
+
+def _value(fields: Any, key: str, gguf_path: Path) -> Any:
+    field = fields.get(key)
+    if field is None:
+        raise GgufError(f"{gguf_path.name}: metadata key {key} is missing")
+    return field.contents()
