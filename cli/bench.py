@@ -46,6 +46,7 @@ from metrale.cli.options import (
     PromptLookupMaxSeqsOpt,
     PromptLookupMinMatchOpt,
     PromptLookupNgramOpt,
+    RevisionOpt,
     ThreadsOpt,
     WeightsOpt,
     config_error,
@@ -127,6 +128,7 @@ def bench(
         ),
     ] = None,
     model: ModelOpt = None,
+    revision: RevisionOpt = None,
     max_tokens: MaxTokensOpt = 64,
     prompts: Annotated[
         int,
@@ -193,7 +195,9 @@ def bench(
             mtp_min_prob=mtp_min_prob,
         )
         spec = parse_sweep(sweep) if sweep is not None else None
-        runtime = RuntimeConfig(device=device, dtype=dtype, weights=weights, mtp_head=mtp_head)
+        runtime = RuntimeConfig(
+            device=device, dtype=dtype, weights=weights, mtp_head=mtp_head, revision=revision
+        )
     except ValueError as exc:
         raise config_error(exc, BENCH_FLAGS) from exc
     if plot is not None:

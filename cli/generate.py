@@ -38,6 +38,7 @@ from metrale.cli.options import (
     PromptLookupMaxSeqsOpt,
     PromptLookupMinMatchOpt,
     PromptLookupNgramOpt,
+    RevisionOpt,
     WeightsOpt,
     config_error,
     load_error,
@@ -88,6 +89,7 @@ def generate(
         str | None, option("--output", "Write JSONL here ('-' or none: standard output).", "-o")
     ] = None,
     model: ModelOpt = None,
+    revision: RevisionOpt = None,
     mtp: MtpOpt = True,
     mtp_head: MtpHeadOpt = None,
     mtp_drafts: MtpDraftsOpt = MTP_DRAFTS,
@@ -201,6 +203,7 @@ def generate(
             mtp=mtp,
             weights=weights,
             mtp_head=mtp_head,
+            revision=revision,
         )
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed

@@ -1,7 +1,8 @@
 """`metrale info [MODEL]`: what the runtime would load, and how long it takes.
 
 Contract: loads the model (the embedded default when ``MODEL`` is omitted)
-with the given device/dtype and prints its architecture, parameter count,
+with the given device/dtype and prints where it came from (folder, GGUF
+file, or hub id@revision and its commit), its architecture, parameter count,
 dtype, device, context length, MTP layers found and KV bytes per token. A
 model that cannot be loaded exits with 2 and the loader's message; a bad
 ``--device``, ``--dtype`` or ``--weights`` is a usage error on that flag.
@@ -16,10 +17,12 @@ from rich.console import Console
 from rich.table import Table
 
 from metrale.cli.options import (
+    MODEL_HELP,
     DeviceOpt,
     DtypeOpt,
     MtpHeadOpt,
     MtpOpt,
+    RevisionOpt,
     WeightsOpt,
     config_error,
     env,
@@ -33,8 +36,7 @@ def info(
         str | None,
         typer.Argument(
             metavar="MODEL",
-            help="Checkpoint folder (config.json + safetensors); omit for the embedded "
-            "SmolLM2-135M-Instruct.",
+            help=MODEL_HELP,
             envvar=env("--model"),
             show_envvar=True,
         ),
@@ -44,12 +46,19 @@ def info(
     mtp: MtpOpt = True,
     mtp_head: MtpHeadOpt = None,
     weights: WeightsOpt = "auto",
+    revision: RevisionOpt = None,
 ) -> None:
     """Show a model's architecture, size, MTP layers and KV cost."""
     console = Console()
     try:
         runtime = RuntimeConfig(
-            device=device, dtype=dtype, num_slots=1, mtp=mtp, weights=weights, mtp_head=mtp_head
+            device=device,
+            dtype=dtype,
+            num_slots=1,
+            mtp=mtp,
+            weights=weights,
+            mtp_head=mtp_head,
+            revision=revision,
         )
     except ValueError as exc:
         raise config_error(exc) from exc
@@ -73,6 +82,7 @@ def info(
         mtp_text += f"\n{facts.mtp_head}"
     rows = [
         ("model", facts.name),
+        ("source", facts.source),
         ("architecture", facts.architecture),
         ("parameters", f"{facts.parameters:,} ({facts.parameters / 1e6:.1f} M)"),
         ("dtype", facts.dtype),

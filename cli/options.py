@@ -141,11 +141,17 @@ def option(flag: str, help: str, *decls: str, panel: str | None = None) -> Any:
     )
 
 
-ModelOpt = Annotated[
+MODEL_HELP = (
+    "Checkpoint folder (HF layout), .gguf file (llama, qwen2, qwen3; F32, F16, BF16, "
+    "Q8_0, Q4_1; converted once) or hub id owner/name (the Hugging Face cache first); "
+    "default: the embedded SmolLM2-135M-Instruct."
+)
+ModelOpt = Annotated[str | None, option("--model", MODEL_HELP, panel=RUNTIME)]
+RevisionOpt = Annotated[
     str | None,
     option(
-        "--model",
-        "Checkpoint folder (HF layout); default: the embedded SmolLM2-135M-Instruct.",
+        "--revision",
+        "Branch, tag or commit of a hub model id (default: main).",
         panel=RUNTIME,
     ),
 ]
@@ -247,6 +253,7 @@ FIELD_FLAGS: dict[str, str] = {
     "max_batch": "--max-batch",
     "num_slots": "--max-batch",
     "max_len": "--max-len",
+    "revision": "--revision",
     "device": "--device",
     "dtype": "--dtype",
     "weights": "--weights",

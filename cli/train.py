@@ -30,7 +30,15 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from metrale.cli.options import DtypeOpt, ModelOpt, ThreadsOpt, config_error, load_error, option
+from metrale.cli.options import (
+    DtypeOpt,
+    ModelOpt,
+    RevisionOpt,
+    ThreadsOpt,
+    config_error,
+    load_error,
+    option,
+)
 from metrale.engine.config import RuntimeConfig
 from metrale.engine.train.trainer import EvalReport, TrainConfig, TrainProgress
 
@@ -83,6 +91,7 @@ def train_mtp_command(
     ],
     out: Annotated[Path, option("--out", "Head to write: OUT.safetensors + OUT.json.")],
     model: ModelOpt = None,
+    revision: RevisionOpt = None,
     work_dir: Annotated[
         Path | None,
         option("--work-dir", "Generations, cached hidden states, checkpoints (default OUT.work)."),
@@ -146,7 +155,9 @@ def train_mtp_command(
             max_steps=max_steps,
             draft_vocab=draft_vocab,
         )
-        runtime = RuntimeConfig(num_slots=gen_batch, max_len=max_len, dtype=dtype, mtp=False)
+        runtime = RuntimeConfig(
+            num_slots=gen_batch, max_len=max_len, dtype=dtype, mtp=False, revision=revision
+        )
     except ValueError as exc:
         raise config_error(exc, TRAIN_FLAGS) from exc
     missing = [str(p) for p in data if not p.exists()]

@@ -150,6 +150,7 @@ class RuntimeConfig:
     mtp: bool = True
     weights: str = "auto"
     mtp_head: Path | None = None
+    revision: str | None = None  # a hub id's branch, tag or commit (None: its main)
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import constants
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -64,8 +65,13 @@ def test_kv_budget_caps_positions_per_slot(tmp_path: Path) -> None:
         choose_max_len(spec, RuntimeConfig(max_len=513), torch.float32, num_stacks=1)
 
 
-def test_a_source_that_is_no_folder_is_refused_without_downloading(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="never downloads"):
+def test_a_source_that_is_no_folder_is_refused_without_downloading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A hub id is looked up in the Hugging Face cache; offline, a miss is refused.
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CheckpointError, match="not in the Hugging Face cache"):
         load_model("HuggingFaceTB/SmolLM2-135M-Instruct", SMALL)
     with pytest.raises(CheckpointError, match=r"config\.json is missing"):
         load_model(tmp_path, SMALL)

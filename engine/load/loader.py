@@ -1,13 +1,16 @@
-"""``load_model``: a checkpoint folder (or the embedded default) to a ready runtime.
+"""``load_model``: a model source (folder, GGUF file, hub id, or the embedded
+default) to a ready runtime.
 
 Contract: ``load_model(source, runtime)`` returns a ``LoadedModel`` whose
 ``model`` owns a KV cache of ``runtime.num_slots`` slots of ``max_len``
 positions, plus its MTP modules (each with its own cache of the same shape),
-the tokenizer and the EOS ids. ``source=None`` is the embedded
+the tokenizer and the EOS ids. ``source`` is resolved to a checkpoint folder
+by ``source.py``: a folder as it is, a ``.gguf`` file converted once, a hub
+id (``owner/name``, at ``runtime.revision``) from the Hugging Face cache,
+fetched only when the cache lacks it. ``source=None`` is the embedded
 SmolLM2-135M-Instruct, paired with the head shipped at
 ``engine/heads/smollm2-135m-instruct.{safetensors,json}`` when present;
 ``runtime.mtp_head`` names a trained head to draft with instead, for any model.
-Nothing is fetched from a hub: a source that is not a folder is refused.
 
 ``max_len``: ``runtime.max_len``, else the model's context length; capped so
 that main + MTP caches of all slots fit ``runtime.kv_budget_mb`` when set.
@@ -26,7 +29,8 @@ import torch
 from metrale.engine.config import RuntimeConfig
 from metrale.engine.kernels.binding import PackedKernel, kernel_problem, packed_kernel
 from metrale.engine.load.checkpoint import Checkpoint, read_checkpoint
-from metrale.engine.load.default_model import MODEL_NAME, ensure_default_model
+from metrale.engine.load.source import HEADS_DIR as HEADS_DIR  # where tests find the heads
+from metrale.engine.load.source import resolve_source
 from metrale.engine.runtime.arch import ArchSpec, CheckpointError
 from metrale.engine.runtime.device import dtype_name, pick_device, pick_dtype
 from metrale.engine.runtime.fp8 import BlockFp8
@@ -36,8 +40,6 @@ from metrale.engine.runtime.mtp import MtpFound, detect_mtp, load_checkpoint_mtp
 from metrale.engine.runtime.mtp_head import MtpHeadError, head_paths, load_mtp_head
 from metrale.engine.runtime.packed import Bf16Source, PackedSource, PackedStore, PackedWeight
 
-HEADS_DIR = Path(__file__).parents[1] / "heads"
-
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -46,6 +48,7 @@ class ModelInfo:
     MTP modules, per slot position."""
 
     name: str
+    source: str  # where it came from: "folder ...", "gguf file ...", "hub owner/name@main ..."
     architecture: str
     parameters: int
     dtype: str
@@ -73,21 +76,13 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     info: ModelInfo
     name: str
+    folder: Path  # the checkpoint folder it was read from (a GGUF's converted one)
 
 
 def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel:
     started = time.perf_counter()
-    if source is None:
-        folder, name = ensure_default_model(), MODEL_NAME
-        shipped: Path | None = HEADS_DIR / MODEL_NAME
-    else:
-        folder, shipped = Path(source).expanduser(), None
-        if not folder.is_dir():
-            raise CheckpointError(
-                f"model {source!r} is not a checkpoint folder (metrale never downloads "
-                "weights: pass a local folder with config.json and *.safetensors)"
-            )
-        name = folder.resolve().name
+    resolved = resolve_source(source, runtime.revision)
+    folder, name, shipped = resolved.folder, resolved.name, resolved.shipped_head
     checkpoint = read_checkpoint(folder)
     device = pick_device(runtime.device)
     dtype = pick_dtype(runtime.dtype, device)
@@ -115,6 +110,7 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
     tokenizer = _tokenizer(folder)
     info = ModelInfo(
         name=name,
+        source=resolved.origin,
         architecture=checkpoint.spec.model_type,
         parameters=count_parameters(model) + sum(count_parameters(m) for m in mtp),
         dtype=dtype_name(dtype),
@@ -141,7 +137,7 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
         load_s=time.perf_counter() - started,
     )
     eos = eos_token_ids(folder, checkpoint.raw_config, tokenizer)
-    return LoadedModel(model, list(mtp), tokenizer, eos, info, name)
+    return LoadedModel(model, list(mtp), tokenizer, eos, info, name, folder)
 
 
 def _packed_source(
