@@ -27,7 +27,7 @@ from metrale.engine.runtime.packed import PackedWeight
 from metrale.engine.runtime.rope import RopeTable
 
 if TYPE_CHECKING:  # llama.py imports this module
-    from metrale.engine.runtime.llama import BlockWeights
+    from metrale.engine.runtime.block import BlockWeights
 
 
 class FusedLayers:

@@ -54,14 +54,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from metrale.engine.runtime.block import BlockWeights, load_block, make_cache
 from metrale.engine.runtime.kv_cache import plan_rows
-from metrale.engine.runtime.llama import (
-    BlockWeights,
-    DecoderStack,
-    LlamaModel,
-    load_block,
-    make_cache,
-)
+from metrale.engine.runtime.llama import DecoderStack, LlamaModel
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
 from metrale.engine.runtime.ops import Weight, linear, rms_norm
 from metrale.engine.runtime.packed import PackedSource, PackedWeight

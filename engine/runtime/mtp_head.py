@@ -28,7 +28,8 @@ from safetensors.torch import save_file
 
 from metrale.engine.kernels.binding import PackedKernel
 from metrale.engine.runtime.arch import ArchSpec, CheckpointError
-from metrale.engine.runtime.llama import LlamaModel, load_block
+from metrale.engine.runtime.block import load_block
+from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.mtp import MtpLayer, MtpWeights
 from metrale.engine.runtime.packed import Bf16Source
 from metrale.engine.runtime.weights import WeightStore
