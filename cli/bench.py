@@ -250,7 +250,7 @@ def _measure(
     from metrale.engine.bench.sweep import run_sweep
 
     try:
-        folder = checkpoint_folder(model)
+        folder = checkpoint_folder(model, runtime.revision)
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(f"cannot load it: {exc}", param_hint="--model") from exc

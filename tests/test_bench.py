@@ -316,3 +316,16 @@ def test_a_runner_ignoring_eos_generates_exactly_max_tokens_past_an_eos(
     )
     ignoring = MetraleRunner(loaded, config, ignore_eos=True).run([Request("r", prompt, stops)])
     assert ignoring.outputs["r"] == greedy[:9] and len(greedy) == 9
+
+
+def test_bench_reads_a_gguf_file_and_compares_transformers_on_its_converted_folder(
+    plain_checkpoint: Path, workload: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.gguf_files import write_gguf
+
+    monkeypatch.setenv("METRALE_HOME", str(tmp_path / "home"))
+    gguf = write_gguf(plain_checkpoint, tmp_path / "tiny.gguf")
+    result = bench(tiny_args(gguf, workload, tmp_path / "bench.json"))
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["failures"] == [], "metrale on the GGUF decodes what transformers does"

@@ -36,7 +36,6 @@ from metrale.engine.bench.runners import (
     MetraleRunner,
     Runner,
     RunOutcome,
-    checkpoint_folder,
     load_transformers,
     pad_id,
 )
@@ -127,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         device="cpu", dtype=args.dtype, num_slots=args.batch, max_len=512, mtp=True
     )
     loaded = load_model(args.model, runtime)
-    hf = load_transformers(checkpoint_folder(args.model), getattr(torch, loaded.info.dtype))
+    hf = load_transformers(loaded.folder, getattr(torch, loaded.info.dtype))
     metrale = partial(metrale_side, loaded)
     transformers = partial(transformers_side, hf, pad_id(loaded))
     prompts = [user_prompt_ids(loaded.tokenizer, t) for t in PROMPTS]

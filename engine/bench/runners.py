@@ -66,13 +66,12 @@ class Subjects:
         return self.single.model.device
 
 
-def checkpoint_folder(source: str | Path | None) -> Path:
-    """The folder transformers reads: ``source``, or the embedded model's cache."""
-    if source is not None:
-        return Path(source).expanduser()
-    from metrale.engine.load.default_model import ensure_default_model
+def checkpoint_folder(source: str | Path | None, revision: str | None = None) -> Path:
+    """The folder transformers reads for ``source``: the folder itself, a GGUF's
+    converted folder, a hub id's snapshot, or the embedded model's cache."""
+    from metrale.engine.load.source import resolve_source
 
-    return ensure_default_model()
+    return resolve_source(source, revision).folder
 
 
 def load_transformers(folder: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> Any:
@@ -89,10 +88,9 @@ def load_subjects(source: str | Path | None, runtime: RuntimeConfig, batch: int)
     is overridden per side (1 and ``batch``)."""
     single = load_model(source, replace(runtime, num_slots=1))
     batched = load_model(source, replace(runtime, num_slots=batch))
-    folder = checkpoint_folder(source)
     dtype = getattr(torch, single.info.dtype)
-    hf_model = load_transformers(folder, dtype, single.model.device)
-    return Subjects(folder, hf_model, single, batched, batch)
+    hf_model = load_transformers(single.folder, dtype, single.model.device)
+    return Subjects(single.folder, hf_model, single, batched, batch)
 
 
 def pad_id(loaded: LoadedModel) -> int:

@@ -156,6 +156,7 @@ def run(folder: Path, shapes: tuple[tuple[int, int], ...], args: argparse.Namesp
     rows = max(r for _, r in shapes)
     runtime = RuntimeConfig(dtype=args.dtype, num_slots=16, max_len=args.context + rows, mtp=False)
     loaded = load_model(folder, runtime)
+    converted = loaded.folder  # what transformers reads (a GGUF's converted folder)
     model = loaded.model
     assert isinstance(model, LlamaModel)
     context_ids = torch.randint(0, model.vocab_size, (args.context,)).tolist()
@@ -169,7 +170,7 @@ def run(folder: Path, shapes: tuple[tuple[int, int], ...], args: argparse.Namesp
         "metrale ms:", " ".join(f"{s}x{r}={t:.2f}" for (s, r), t in zip(shapes, ours, strict=True))
     )
     del loaded, model  # free the slots before transformers' copy of the weights
-    theirs = bench_transformers(folder, dtype, device, context_ids, shapes, args.repeats)
+    theirs = bench_transformers(converted, dtype, device, context_ids, shapes, args.repeats)
     print(f"{'slots x rows':>12} {'metrale ms':>11} {'transformers ms':>16} {'ratio':>6}")
     for (slots, n), a, b in zip(shapes, ours, theirs, strict=True):
         print(f"{f'{slots} x {n}':>12} {a:11.2f} {b:16.2f} {a / b:6.2f}")
