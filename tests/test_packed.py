@@ -104,6 +104,20 @@ def test_stacking_keeps_every_row(kernel: PackedKernel) -> None:
         PackedWeight.stack([a, c])
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_stacking_whole_groups_joins_their_tiles_as_re_packing_the_rows_would(
+    kernel: PackedKernel, fmt: str
+) -> None:
+    a, dense_a = packed(kernel, random_weight(128, 96, seed=10), fmt)
+    b, dense_b = packed(kernel, random_weight(64, 96, seed=11), fmt)
+    joined = PackedWeight.stack([a, b])  # 64-row groups: no re-tiling
+    data, scales = zip(*(p.row_blocks() for p in (a, b)), strict=True)
+    repacked = PackedWeight.from_rows(fmt, torch.cat(data), torch.cat(scales), kernel)
+    assert torch.equal(joined.tiles, repacked.tiles)
+    assert torch.equal(joined.tile_scales, repacked.tile_scales)
+    assert torch.equal(joined.dense(), torch.cat([dense_a, dense_b]))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_selected_rows_decode_to_those_rows(kernel: PackedKernel, fmt: str) -> None:
     weight, dense = packed(kernel, random_weight(20, 64, seed=5), fmt)

@@ -126,6 +126,12 @@ class PackedWeight:
         first = parts[0]
         if any(p.fmt != first.fmt or p.shape[1] != first.shape[1] for p in parts):
             raise ValueError("only packed weights of one format and width can be stacked")
+        rows = sum(p.shape[0] for p in parts)
+        if all(p.shape[0] % (_GROUP * _STRIP) == 0 for p in parts):
+            # Whole groups of rows, none padded: the stacked tiles are the parts' tiles in turn.
+            tiles = torch.cat([p.tiles for p in parts])
+            scales = torch.cat([p.tile_scales for p in parts])
+            return PackedWeight(first.fmt, tiles, scales, (rows, first.shape[1]), first.kernel)
         blocks = [p.row_blocks() for p in parts]
         data = torch.cat([d for d, _ in blocks])
         scales = torch.cat([s for _, s in blocks])
