@@ -9,11 +9,15 @@ a terminal: the command feeds ``Request``s to the engine and writes records.
 Formats (see README "Formats"):
 
 - simple: ``{"id"?, "prompt" | "messages", "max_tokens"?, "temperature"?,
-  "top_p"?, "top_k"?, "seed"?, "stop"?, "scope"?, "metadata"?}``; its output
-  ``id`` is the input's, else the line number (1-based, counted across all
-  inputs of the run).
+  "top_p"?, "top_k"?, "seed"?, "stop"?, "scope"?, "metadata"?,
+  "json_schema" | "regex" | "choice"?}``; its output ``id`` is the input's,
+  else the line number (1-based, counted across all inputs of the run).
 - OpenAI Batch API: ``{"custom_id", "method": "POST", "url":
-  "/v1/chat/completions" | "/v1/completions", "body": {...}}``.
+  "/v1/chat/completions" | "/v1/completions", "body": {...}}``, the body's
+  ``response_format`` a JSON schema, a JSON object or text.
+
+A line's grammar (``grammar_fields.py``) is checked here, so a schema or
+regex that does not compile is an error record naming its field.
 
 Sampling fields a line leaves out come from the run's flags. A line without
 ``seed`` gets ``--seed + line number`` (when ``--seed`` is given), so a
@@ -28,7 +32,9 @@ from typing import Any, Literal
 
 import orjson
 
-from metrale.engine.api import Request, SamplingParams
+from metrale.cli.faults import LineFault
+from metrale.cli.grammar_fields import SIMPLE_GRAMMAR_FIELDS, batch_grammar, simple_grammar
+from metrale.engine.api import Grammar, Request, SamplingParams
 from metrale.engine.prompts import Tokenizer, chat_prompt_ids, content_text, text_prompt_ids
 
 LineFormat = Literal["simple", "chat", "completion"]
@@ -38,7 +44,7 @@ BATCH_URLS: dict[str, LineFormat] = {
 }
 SIMPLE_FIELDS = frozenset(
     {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed"}
-    | {"stop", "scope", "metadata"}
+    | {"stop", "scope", "metadata", *SIMPLE_GRAMMAR_FIELDS}
 )
 # Batch bodies carry more than metrale honours. These are accepted and ignored:
 BODY_IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options"})
@@ -56,18 +62,10 @@ BODY_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 MAX_STOPS = 16
 
-
-class LineFault(Exception):
-    """A problem with one field of one line (``field`` is None for the line)."""
-
-    def __init__(self, field: str | None, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-        self.message = message
+__all__ = ["LineFault"]  # re-exported: parsing code raises it from here
 
 
 @dataclass(frozen=True)
@@ -85,6 +83,7 @@ class LineDefaults:
 
     params: SamplingParams = field(default_factory=SamplingParams)
     scope: str | None = None
+    grammar: Grammar | None = None  # ``--json-schema FILE``: for lines that name none
 
 
 @dataclass(frozen=True)
@@ -100,6 +99,7 @@ class ParsedLine:
     prompt: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
     metadata: Any = None
+    grammar: Grammar | None = None
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def encode(parsed: ParsedLine, tokenizer: Tokenizer, max_len: int) -> Request | 
             f"exceed the model's {max_len} positions; shorten it or lower max_tokens"
         )
         return _error(parsed, name, msg)
-    return Request(str(parsed.ref.number), tuple(ids), parsed.params, parsed.scope)
+    return Request(str(parsed.ref.number), tuple(ids), parsed.params, parsed.scope, parsed.grammar)
 
 
 def id_key(value: Any) -> str:
@@ -201,8 +201,9 @@ def _parse_simple(
     prompt, messages = _prompt_or_messages(obj, "")
     params = _params(obj, "", defaults.params, ref.number, obj.get("max_tokens"))
     scope = _scope(obj.get("scope", defaults.scope), "scope")
+    grammar = _without_stops(simple_grammar(obj) or defaults.grammar, params, "stop")
     return ParsedLine(
-        ref, "simple", output_id, params, scope, prompt, messages, obj.get("metadata")
+        ref, "simple", output_id, params, scope, prompt, messages, obj.get("metadata"), grammar
     )
 
 
@@ -214,7 +215,8 @@ def _parse_body(
         if key in body and body[key] not in allowed:
             raise LineFault(f"body.{key}", f"is not supported (only {allowed[0]!r})")
     known = {"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature"}
-    known |= {"top_p", "top_k", "seed", "stop"} | BODY_IGNORED | set(BODY_DEFAULTS)
+    known |= {"top_p", "top_k", "seed", "stop", "response_format"}
+    known |= BODY_IGNORED | set(BODY_DEFAULTS)
     unknown = sorted(set(body) - known)
     if unknown:
         raise LineFault(f"body.{unknown[0]}", "is not supported")
@@ -226,7 +228,21 @@ def _parse_body(
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     params = _params(body, "body.", defaults.params, ref.number, max_tokens)
     scope = _scope(obj.get("scope", defaults.scope), "scope")
-    return ParsedLine(ref, fmt, custom_id, params, scope, prompt, messages)
+    # An explicit response_format (text included) wins over --json-schema.
+    named = body.get("response_format") is not None
+    grammar = batch_grammar(body) if named else defaults.grammar
+    grammar = _without_stops(grammar, params, "body.stop")
+    return ParsedLine(ref, fmt, custom_id, params, scope, prompt, messages, grammar=grammar)
+
+
+def _without_stops(
+    grammar: Grammar | None, params: SamplingParams, stop_field: str
+) -> Grammar | None:
+    """A grammar is refused beside a stop string, which would cut the output
+    before the grammar is complete."""
+    if grammar is not None and params.stop:
+        raise LineFault(stop_field, "cannot be combined with a grammar (it would cut the output)")
+    return grammar
 
 
 def _prompt_or_messages(

@@ -13,6 +13,26 @@ from typing import Literal
 from metrale.lookup import LookupStats
 
 FinishReason = Literal["stop", "length", "error"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice"]
+GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "json_object", "regex", "choice")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's output must match.
+
+    ``source`` is text: a JSON schema as JSON, a regular expression, or the
+    choices as a JSON list of strings (``json_object`` needs none: any JSON
+    object). Equal grammars are equal values, so the engine compiles each
+    distinct one once; ``metrale.engine.spec.grammar`` checks and compiles them.
+    """
+
+    kind: GrammarKind
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}")
 
 
 @dataclass(frozen=True)
@@ -49,12 +69,15 @@ class Request:
     ``scope`` names the tenant whose earlier finished requests may supply
     prompt-lookup copies (see ``metrale.lookup.SharedLookup``); ``None`` means
     the request neither reads from nor is stored in the shared cache.
+    ``grammar`` constrains the output: a ``"stop"`` finish then always ends
+    where the grammar is complete.
     """
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     scope: str | None = None
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -68,6 +91,10 @@ class RequestStats:
     token, so plain decoding scores exactly 1. The first output token comes
     from the prefill and is in neither figure. ``prompt_lookup`` counts the
     request's copies (definitions in ``metrale.lookup.stats``).
+    ``forced_proposed``/``forced_accepted``: drafts that were the grammar's
+    forced continuation (the only token its mask allowed), always accepted;
+    ``grammar_s``: time spent on the request's grammar (masks, checks,
+    advancing the matcher). All three stay 0 without a grammar.
     """
 
     verifies: int = 0
@@ -75,6 +102,9 @@ class RequestStats:
     mtp_proposed: int = 0
     mtp_accepted: int = 0
     prompt_lookup: LookupStats = field(default_factory=LookupStats)
+    forced_proposed: int = 0
+    forced_accepted: int = 0
+    grammar_s: float = 0.0
 
     @property
     def mean_tokens_per_verify(self) -> float:

@@ -94,7 +94,9 @@ class EngineConfig:
     ``mtp is False`` turns the MTP drafter off even when the model has one.
     ``mtp_min_prob``: an MTP chain stops at the first position where the
     module's own distribution has no token at least this likely (0: the
-    ladder's full chain always); see ``mtp_drafter.py``."""
+    ladder's full chain always); see ``mtp_drafter.py``.
+    ``forced_drafts``: a constrained request drafts its grammar's forced
+    tokens (``spec/constrained.py``); False decodes them one verify each."""
 
     max_batch: int = 16
     prefill_chunk: int = 512
@@ -103,6 +105,7 @@ class EngineConfig:
     mtp_min_prob: float = MTP_MIN_PROB
     prompt_lookup: PromptLookupConfig | None = field(default_factory=PromptLookupConfig)
     shared_lookup: SharedLookupSettings = field(default_factory=SharedLookupSettings)
+    forced_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:

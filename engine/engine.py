@@ -8,7 +8,9 @@ comes back at once as a ``finish_reason == "error"`` result; nothing a request
 holds stops the run.
 
 Each step runs six phases in order: admit/prefill, copies, verify, settle,
-draft, finish. All decoding sequences share one verify forward per step;
+draft, finish. A request with a grammar drafts its forced tokens before the
+copies, has every draft checked against its grammar before the verify, and is
+verified under each row's mask (``spec/constrained.py``). All decoding sequences share one verify forward per step;
 prefill runs in chunks of at most ``prefill_chunk`` tokens per step
 in a forward of its own, so running sequences keep decoding while a long
 prompt is read. Output never depends on the drafts: greedy output is plain
@@ -23,23 +25,31 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from metrale.engine.api import Request, Result
+from metrale.engine.api import Grammar, Request, Result
 from metrale.engine.config import EngineConfig
 from metrale.engine.runtime.model import Model, MtpModule, Segment
 from metrale.engine.sampling import draw, make_generator, target_probs
 from metrale.engine.sequence import Decode, SeqState, error_result
 from metrale.engine.spec.acceptance import accept_greedy, accept_sampled
+from metrale.engine.spec.constrained import (
+    accept_constrained,
+    check_drafts,
+    first_token,
+    take_forced,
+)
 from metrale.engine.spec.copies import (
     copy_in_flight,
     drafter_accepted,
     settle_copies,
     take_rounds_with_copies,
 )
+from metrale.engine.spec.grammar import GrammarCompiler, GrammarError
+from metrale.engine.spec.matcher import GrammarMatcher
 from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 from metrale.engine.stats import EngineStats, RunCounters
 from metrale.lookup import LookupStats, ScopeKey, SharedLookup
@@ -66,14 +76,21 @@ class Engine:
         model_name: str = "",
         tokenizer_name: str = "",
         adapter: str = "",
+        grammars: GrammarCompiler | None = None,
     ) -> None:
-        """``tokenizer`` only turns output ids into text and matches stop
-        strings: an object with ``decode(ids)``, a ``decode`` callable, or None
-        (texts are then empty). ``model_name``/``tokenizer_name``/``adapter``
-        are the shared-lookup scope fields a request's ``scope`` completes."""
+        """``tokenizer`` turns output ids into text and matches stop strings:
+        an object with ``decode(ids)``, a ``decode`` callable, or None (texts
+        are then empty); a Hugging Face fast tokenizer is also bound to the
+        grammar engine, once, when the first request with a grammar comes
+        (``grammars`` brings a binding instead). ``model_name``/
+        ``tokenizer_name``/``adapter`` are the shared-lookup scope fields a
+        request's ``scope`` completes."""
         self.model = model
         self.config = config
         self._decode = _as_decode(tokenizer)
+        self._tokenizer = tokenizer
+        self._grammars = grammars
+        self._grammars_problem: str | None = None
         self._drafter = MtpDrafter(mtp, config.mtp_min_prob) if mtp and config.mtp else None
         self._eos = frozenset(eos_token_ids)
         self._scope_fields = (model_name, tokenizer_name, adapter)
@@ -176,18 +193,23 @@ class Engine:
             ladder_nd = self._ladder_nd(len(batch))
             for seq in batch:  # the batch may have grown since these were drafted
                 _truncate_drafts(seq, min(ladder_nd, seq.draft_capacity()))
-            # 2. Copies: prompt lookup may replace the drafts of some sequences.
+            # 2. Copies: prompt lookup may replace the drafts of some sequences;
+            # under a grammar, forced tokens come first and every draft is checked.
+            self._constrain(batch, lambda seq: take_forced(seq, self.config.forced_drafts))
             mtp_drafting = self._drafter is not None and ladder_nd > 0
             took = take_rounds_with_copies(
                 batch, self.config.prompt_lookup, self._shared, ladder_nd, mtp_drafting
             )
+            self._constrain(batch, check_drafts)
+            batch = [s for s in batch if not s.finished]
             # 3. Verify every sequence's [last_token] + drafts in one forward.
             starts = [s.seq_len for s in batch]
-            hidden, first_rows = self._verify(batch)
+            hidden, first_rows = self._verify(batch) if batch else (None, [])
             # 4. Settle the copies from each sequence's seq_len advance.
             settle_copies(took, self._shared, self._copies)
             # 5. Draft the next chain from the newly verified positions.
-            self._draft_after_verify(batch, starts, first_rows, hidden)
+            if hidden is not None:
+                self._draft_after_verify(batch, starts, first_rows, hidden)
         # 6. Finish: free slots, store in the shared cache, hand back results.
         results = self._finish(done + [s for s in self._decoding if s.finished])
         self._publish()
@@ -205,9 +227,26 @@ class Engine:
                     eos_ids=self._eos | frozenset(params.eos_token_ids),
                     scope=self._scope_key(request),
                     generator=None if params.greedy else make_generator(params.seed),
+                    grammar=self._matcher(request.grammar),
                 )
             )
             self._counters.prompt_tokens += len(request.prompt_ids)
+
+    def _matcher(self, grammar: Grammar | None) -> GrammarMatcher | None:
+        if grammar is None:
+            return None
+        assert self._grammars is not None, "_rejection bound the grammar engine"
+        return GrammarMatcher(self._grammars.start(grammar), self._grammars.vocab_size)
+
+    def _constrain(self, batch: list[SeqState], phase: Callable[[SeqState], None]) -> None:
+        """Runs a grammar phase on each constrained sequence of ``batch``; one
+        whose grammar cannot go on fails alone."""
+        for seq in batch:
+            if seq.grammar is not None and not seq.finished:
+                try:
+                    phase(seq)
+                except GrammarError as exc:
+                    seq.fail(str(exc))
 
     def _prefill_chunk(self) -> list[SeqState]:
         """Feeds up to ``prefill_chunk`` prompt tokens, oldest request first. A
@@ -236,8 +275,7 @@ class Engine:
             complete = seq.seq_len == seq.prompt_len
             if complete:
                 self._prefilling.remove(seq)
-                seq.emit([self._sample_one(seq, out.logits[row])], self._decode)
-                self._counters.generated_tokens += 1
+                self._emit_first(seq, out.logits[row])
                 (done if seq.finished else self._decoding).append(seq)
             if self._drafter is not None and not seq.finished:
                 # Position p gets token p+1: the next prompt token, or the
@@ -265,21 +303,15 @@ class Engine:
         counters.verifies += 1
         for seq in batch:
             drafts, num_rows = seq.pending_drafts, len(seq.pending_drafts) + 1
-            if seq.request.params.greedy:
-                accepted, bonus = accept_greedy(drafts, argmax[row : row + num_rows])
-            else:
-                assert seq.generator is not None
-                target = target_probs(out.logits[row : row + num_rows], seq.request.params)
-                accepted, bonus = accept_sampled(drafts, seq.pending_probs, target, seq.generator)
             first_rows.append(row)
+            rows = slice(row, row + num_rows)
             row += num_rows
-            # The MTP drafter's figures count only its own drafts: with a copy
-            # in flight it is told nothing of them was accepted.
-            if drafts and copy_in_flight(seq) == 0:
-                own = drafter_accepted(seq, accepted)
-                counters.count_mtp(len(drafts), own)
-                seq.stats.mtp_proposed += len(drafts)
-                seq.stats.mtp_accepted += own
+            try:
+                accepted, bonus = self._accept(seq, out.logits[rows], argmax[rows])
+            except GrammarError as exc:
+                seq.fail(str(exc))
+                continue
+            self._count_drafts(seq, accepted)
             before = len(seq.history)
             seq.emit([*drafts[:accepted], bonus], self._decode)
             seq.seq_len += accepted + 1
@@ -289,7 +321,59 @@ class Engine:
             counters.seq_verifies += 1
             counters.verify_tokens += accepted + 1
             counters.generated_tokens += len(seq.history) - before
+            self._advance_grammar(seq, seq.history[before:])
         return out.hidden, first_rows
+
+    def _accept(
+        self,
+        seq: SeqState,
+        logits: torch.Tensor,  # [num_drafts + 1, vocab] the sequence's verify rows
+        argmax: list[int],  # [num_drafts + 1]
+    ) -> tuple[int, int]:
+        """``(accepted drafts, bonus token)`` of one sequence's verify rows."""
+        if seq.grammar is not None:
+            return accept_constrained(seq, logits, argmax)
+        if seq.request.params.greedy:
+            return accept_greedy(seq.pending_drafts, argmax)
+        assert seq.generator is not None
+        target = target_probs(logits, seq.request.params)
+        return accept_sampled(seq.pending_drafts, seq.pending_probs, target, seq.generator)
+
+    def _count_drafts(self, seq: SeqState, accepted: int) -> None:
+        """Each source's figures count only its own drafts: the forced run
+        first, then the MTP chain after it (with a copy in flight the drafter
+        is told nothing of its drafts was accepted)."""
+        counters, forced = self._counters, len(seq.forced_drafts)
+        if forced:
+            counters.forced_proposed += forced
+            counters.forced_accepted += min(accepted, forced)
+            seq.stats.forced_proposed += forced
+            seq.stats.forced_accepted += min(accepted, forced)
+        chain = len(seq.pending_drafts) - forced
+        if chain > 0 and copy_in_flight(seq) == 0:
+            own = drafter_accepted(seq, max(accepted - forced, 0))
+            counters.count_mtp(chain, own, first_depth=forced)
+            seq.stats.mtp_proposed += chain
+            seq.stats.mtp_accepted += own
+        seq.forced_drafts = []
+
+    def _emit_first(self, seq: SeqState, logits: torch.Tensor) -> None:  # logits: [vocab]
+        """The token the prefill samples after the prompt."""
+        try:
+            token = self._sample_one(seq, logits)
+        except GrammarError as exc:
+            seq.fail(str(exc))
+            return
+        seq.emit([token], self._decode)
+        self._counters.generated_tokens += 1
+        self._advance_grammar(seq, [token])
+
+    def _advance_grammar(self, seq: SeqState, emitted: list[int]) -> None:
+        if seq.grammar is not None and not seq.finished:
+            try:
+                seq.grammar.advance(emitted)
+            except GrammarError as exc:
+                seq.fail(str(exc))
 
     def _draft_after_verify(
         self,
@@ -324,8 +408,10 @@ class Engine:
             if seq in self._decoding:
                 self._decoding.remove(seq)
             self._free_slots.append(seq.slot)
-            if self._shared is not None and seq.scope is not None:
+            if self._shared is not None and seq.scope is not None and seq.error is None:
                 self._shared.insert(seq.scope, seq.history)
+            if seq.grammar is not None:
+                self._counters.count_grammar(len(seq.output_ids), seq.grammar.spent_s)
             self._counters.requests_done += 1
             results.append(seq.result(self._decode))
         return results
@@ -342,7 +428,25 @@ class Engine:
                 f"model's {self._max_len} positions per sequence; shorten the prompt, "
                 f"lower max_tokens or raise the context length"
             )
+        if request.grammar is not None:
+            return self._grammar_rejection(request)
         return None
+
+    def _grammar_rejection(self, request: Request) -> str | None:
+        """Why a request's grammar cannot run here (no binding for this
+        tokenizer, a stop string beside it, a grammar that does not compile)."""
+        if request.params.stop:
+            return "stop strings cannot be combined with a grammar (they would cut the output)"
+        if self._grammars is None and self._grammars_problem is None:
+            vocab, eos = self.model.vocab_size, sorted(self._eos)
+            try:
+                self._grammars = GrammarCompiler.for_tokenizer(self._tokenizer, vocab, eos)
+            except GrammarError as exc:
+                self._grammars_problem = str(exc)
+        if self._grammars is None:
+            return self._grammars_problem
+        assert request.grammar is not None
+        return self._grammars.problem(request.grammar)
 
     def _scope_key(self, request: Request) -> ScopeKey | None:
         if self._shared is None or request.scope is None:
@@ -357,6 +461,8 @@ class Engine:
         return min(self._ladder_nd(max(running, 1)), seq.draft_capacity())
 
     def _sample_one(self, seq: SeqState, logits: torch.Tensor) -> int:  # logits: [vocab]
+        if seq.grammar is not None:
+            return first_token(seq, logits)
         if seq.request.params.greedy:
             return int(logits.argmax())
         assert seq.generator is not None

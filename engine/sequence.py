@@ -13,17 +13,26 @@ Contract (owned by the engine loop, one ``SeqState`` per admitted request):
   sampled them (``None`` for greedy drafts and for copies, which are one-hot).
 - A sequence never emits past ``max_tokens``, and never feeds a position at
   or beyond ``max_len``: ``draft_capacity`` bounds every verify by both.
+- ``grammar`` (constrained requests only) has consumed exactly the emitted
+  tokens. ``forced_drafts`` and ``masks`` live for one step: the grammar's
+  forced run this step (``spec/constrained.py``), and the verify rows' masks.
+- ``error`` set means the request failed while decoding (its grammar could
+  not go on); it finishes with ``finish_reason == "error"``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from metrale.engine.api import FinishReason, Request, RequestStats, Result
 from metrale.lookup import PromptLookupSeq, ScopeKey
+
+if TYPE_CHECKING:
+    from metrale.engine.spec.matcher import GrammarMatcher, RowMasks
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -45,6 +54,10 @@ class SeqState:
     stats: RequestStats = field(default_factory=RequestStats)
     finish_reason: FinishReason | None = None
     stop_text: str | None = None  # the text cut before a stop string, once one was hit
+    grammar: GrammarMatcher | None = None
+    forced_drafts: list[int] = field(default_factory=list)
+    masks: RowMasks | None = None
+    error: str | None = None
 
     def __post_init__(self) -> None:
         if not self.history:
@@ -121,9 +134,17 @@ class SeqState:
             ids = ids[:-1]
         return ids
 
+    def fail(self, message: str) -> None:
+        """Ends the request with an error; the other requests go on."""
+        self.finish_reason, self.error = "error", message
+
     def result(self, decode: Decode | None) -> Result:
         """The finished request; the text stops before an EOS and a stop string."""
         assert self.finish_reason is not None, "only a finished sequence has a result"
+        if self.grammar is not None:
+            self.stats.grammar_s = self.grammar.spent_s
+        if self.error is not None:
+            return replace(error_result(self.request, self.error), stats=self.stats)
         text = self.stop_text
         if text is None:
             text = decode(self._text_ids()) if decode is not None else ""

@@ -17,6 +17,13 @@ Definitions:
 - ``prompt_lookup``: copies verified, tokens they proposed, tokens of them
   accepted, in total and for the copies the cross-request cache supplied
   (``metrale.lookup.stats`` defines them).
+- ``forced_proposed``/``forced_accepted``: drafts that were a grammar's
+  forced continuation (the only token its mask allowed), verified / accepted;
+  they are always accepted, and are counted neither as MTP drafts nor copies.
+- ``grammar_s``: time spent on grammars (forced runs, masks, checking drafts,
+  advancing matchers, applying masks to logits) by the finished constrained
+  requests, ``grammar_tokens`` the tokens those requests emitted, so
+  ``grammar_us_per_token`` is the grammar's cost per constrained token.
 """
 
 from __future__ import annotations
@@ -49,6 +56,15 @@ class EngineStats:
     window_histogram: dict[int, int] = field(default_factory=dict)
     seq_verifies: int = 0
     verify_tokens: int = 0
+    forced_proposed: int = 0
+    forced_accepted: int = 0
+    grammar_requests: int = 0
+    grammar_tokens: int = 0
+    grammar_s: float = 0.0
+
+    @property
+    def grammar_us_per_token(self) -> float:
+        return 1e6 * self.grammar_s / self.grammar_tokens if self.grammar_tokens else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -84,15 +100,28 @@ class RunCounters:
     prefills: int = 0
     mtp_proposed_by_position: list[int] = field(default_factory=list)
     mtp_accepted_by_position: list[int] = field(default_factory=list)
+    forced_proposed: int = 0
+    forced_accepted: int = 0
+    grammar_requests: int = 0
+    grammar_tokens: int = 0
+    grammar_s: float = 0.0
 
-    def count_mtp(self, proposed: int, accepted: int) -> None:
-        """One verified MTP chain of ``proposed`` drafts, ``accepted`` of them kept."""
-        while len(self.mtp_proposed_by_position) < proposed:
+    def count_mtp(self, proposed: int, accepted: int, first_depth: int = 0) -> None:
+        """One verified MTP chain of ``proposed`` drafts, ``accepted`` of them
+        kept, its first draft at chain depth ``first_depth + 1`` (a chain
+        that goes on after a grammar's forced run starts deeper)."""
+        while len(self.mtp_proposed_by_position) < first_depth + proposed:
             self.mtp_proposed_by_position.append(0)
             self.mtp_accepted_by_position.append(0)
-        for depth in range(proposed):
-            self.mtp_proposed_by_position[depth] += 1
-            self.mtp_accepted_by_position[depth] += depth < accepted
+        for k in range(proposed):
+            self.mtp_proposed_by_position[first_depth + k] += 1
+            self.mtp_accepted_by_position[first_depth + k] += k < accepted
+
+    def count_grammar(self, tokens: int, spent_s: float) -> None:
+        """One finished constrained request: its emitted tokens and grammar time."""
+        self.grammar_requests += 1
+        self.grammar_tokens += tokens
+        self.grammar_s += spent_s
 
     def snapshot(
         self,
@@ -119,4 +148,9 @@ class RunCounters:
             window_histogram=dict(Counter(windows)),
             seq_verifies=self.seq_verifies,
             verify_tokens=self.verify_tokens,
+            forced_proposed=self.forced_proposed,
+            forced_accepted=self.forced_accepted,
+            grammar_requests=self.grammar_requests,
+            grammar_tokens=self.grammar_tokens,
+            grammar_s=self.grammar_s,
         )

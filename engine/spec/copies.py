@@ -17,6 +17,11 @@ Invariants:
 - While a copy is in flight the MTP drafter is told that none of its drafts
   were accepted (``drafter_accepted``): the verified tokens were not the ones
   it drafted.
+- Under a grammar a copy follows the sequence's forced run this step
+  (``seq.forced_drafts``, always accepted): it is proposed from the history
+  with the forced tokens appended, its caps count the forced tokens against
+  the slot's capacity, and it is cut at the first token the grammar forbids
+  before it is weighed against the chain (``constrained.allowed_copy``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metrale.engine.sequence import SeqState
+from metrale.engine.spec.constrained import allowed_copy
 from metrale.lookup import (
     Fallback,
     LookupStats,
@@ -40,7 +46,8 @@ BATCHED_COPY_MAX = 3
 
 @dataclass(frozen=True)
 class CopyTaken:
-    """A sequence that verifies a copy this step, and its ``seq_len`` before."""
+    """A sequence that verifies a copy this step, and where the copy starts:
+    its ``seq_len`` before the verify plus the forced drafts ahead of the copy."""
 
     seq: SeqState
     len_before: int
@@ -95,7 +102,8 @@ def take_rounds_with_copies(
         if mtp_drafting and not seq.pending_drafts and not declined:
             continue
         chain = min(len(seq.pending_drafts), ladder_nd)
-        slot_cap = min(cfg.max_drafts, seq.draft_capacity(), path_cap)
+        forced = seq.forced_drafts
+        slot_cap = min(cfg.max_drafts, seq.draft_capacity() - len(forced), path_cap)
         if slot_cap < max(chain, 1):
             continue
         if seq.prompt_lookup is None:
@@ -104,16 +112,17 @@ def take_rounds_with_copies(
         cap = min(slot_cap, max(lookup.window, chain))
         # With no own match, the finished requests of this scope may supply one.
         fallback = _scope_fallback(shared, seq.scope)
-        copy = lookup.propose_with(seq.history, cap, fallback)
+        history = [*seq.history, *forced] if forced else seq.history
+        copy = lookup.propose_with(history, cap, fallback)
         if copy is None:
             continue
-        copy = bucket_copy(copy)
-        if len(copy) < chain:
+        copy = bucket_copy(allowed_copy(seq, copy))
+        if not copy or len(copy) < chain:
             lookup.abandon()
             continue
         lookup.cut_in_flight(len(copy))
         seq.set_drafts(copy, None)
-        took.append(CopyTaken(seq, seq.seq_len))
+        took.append(CopyTaken(seq, seq.seq_len + len(forced)))
     return took
 
 

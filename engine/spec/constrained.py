@@ -1,0 +1,193 @@
+"""Structured outputs inside the step: forced drafts, drafts checked against the
+grammar, and acceptance under each verify row's mask.
+
+Owner: the engine loop (``engine.py``), for the sequences whose request has
+a grammar (``seq.grammar``). In step order:
+
+1. ``take_forced`` (before the copies): the grammar's forced continuation
+   from the state after ``last_token`` becomes ``seq.forced_drafts``. The MTP
+   chain drafted last step stands at the same positions: it goes on after the
+   forced run only when its first drafts are the forced tokens (later drafts
+   were drawn after those, so after anything else they predict nothing);
+   otherwise it is dropped and the sequence may take a copy, as when its
+   drafter declines. Copies are proposed after the forced run
+   (``copies.py``), cut to the prefix the grammar allows.
+2. ``check_drafts`` (before the verify): the drafts become ``forced + (copy or
+   MTP chain)``; the matcher walks through them to give each verify row its
+   mask, and the first draft the grammar forbids cuts the rest
+   (``seq.masks``). A sampled MTP draft's own distribution is masked and
+   renormalised the same way.
+3. ``accept_constrained`` (in the verify): greedy compares each draft with the
+   argmax under its row's mask; sampling runs speculative sampling against
+   the masked, renormalised target. Forced drafts are the only token their
+   row allows, so both rules accept them always.
+4. ``GrammarMatcher.advance`` with the emitted tokens only.
+
+Why the output stays exactly plain constrained decoding: every emitted token
+is chosen from a row whose mask is the mask at the state of the tokens before
+it, by the rules ``acceptance.py`` proves lossless, now over the masked
+distributions. A draft drawn from ``q`` that the grammar allows is, given
+that, distributed as ``q`` masked and renormalised, which is what the accept
+test uses; a forbidden one is cut and its row's token is drawn afresh from
+the masked target. Choosing between a copy and the MTP chain looks only at
+the chain's length before any grammar cut, never at which drafts were drawn.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from metrale.engine.sampling import draw, target_probs
+from metrale.engine.sequence import SeqState
+from metrale.engine.spec.acceptance import accept_sampled
+from metrale.engine.spec.grammar import GrammarError
+from metrale.engine.spec.matcher import RowMasks
+
+# Longest forced run drafted in one verify: forced rows are always accepted,
+# so the bound only keeps verify widths few.
+FORCED_MAX = 16
+
+
+def take_forced(seq: SeqState, enabled: bool) -> None:
+    """Sets a constrained sequence's forced run for this step (``[]`` when
+    ``enabled`` is False) and aligns its MTP chain behind it (module doc)."""
+    seq.forced_drafts = []
+    if seq.grammar is None or not enabled:
+        return
+    forced = seq.grammar.forced(min(FORCED_MAX, seq.draft_capacity()))
+    if not forced:
+        return
+    seq.forced_drafts = forced
+    chain, probs, m = seq.pending_drafts, seq.pending_probs, len(forced)
+    if chain[:m] == forced and len(chain) > m:
+        seq.set_drafts(chain[m:], probs[m:] if probs is not None else None)
+    else:
+        # Like a drafter that declined: a copy may stand after the forced run.
+        seq.drafts_declined = seq.drafts_declined or bool(chain)
+        seq.set_drafts([], None)
+
+
+def allowed_copy(seq: SeqState, copy: list[int]) -> list[int]:
+    """``copy`` (proposed after the forced run) cut at the first token the
+    grammar forbids; whole for an unconstrained sequence."""
+    if seq.grammar is None:
+        return copy
+    forced = seq.forced_drafts
+    return copy[: seq.grammar.allowed_prefix([*forced, *copy]) - len(forced)]
+
+
+def check_drafts(seq: SeqState) -> None:
+    """Makes a constrained sequence's drafts ``forced + the rest``, cut at the
+    first forbidden draft, with one mask per verify row (module doc)."""
+    grammar = seq.grammar
+    assert grammar is not None, "only a constrained sequence is checked"
+    forced, rest, probs = seq.forced_drafts, seq.pending_drafts, seq.pending_probs
+    masks, kept = grammar.row_masks([*forced, *rest])
+    began = time.perf_counter()
+    m = len(forced)
+    if kept < m:  # a forced token its own mask forbids: the grammar library's fault
+        raise GrammarError(f"forced token {forced[kept]} is not allowed by its own mask")
+    tail = rest[: kept - m]
+    lookup = seq.prompt_lookup
+    if lookup is not None and lookup.in_flight > len(tail):
+        # Copies were cut to what the grammar allows when taken: this only
+        # keeps the copy's figures true should the two checks ever disagree.
+        if tail:
+            lookup.cut_in_flight(len(tail))
+        else:
+            lookup.abandon()
+    seq.set_drafts([*forced, *tail], _draft_probs(forced, probs, masks, len(tail)))
+    seq.masks = masks
+    grammar.spent_s += time.perf_counter() - began
+
+
+def _draft_probs(
+    forced: list[int],
+    probs: torch.Tensor | None,  # [>= num_tail, vocab] the MTP chain's q, or None
+    masks: RowMasks,
+    num_tail: int,
+) -> torch.Tensor | None:  # [num_forced + num_tail, vocab], or None: every draft one-hot
+    """Forced drafts are one-hot; sampled MTP drafts keep ``q`` masked by their
+    row and renormalised (the draw that chose them, given that they are allowed)."""
+    if probs is None or num_tail == 0:
+        return None
+    m = len(forced)
+    q = probs[:num_tail].to(dtype=torch.float32)
+    q = q * masks.rows(m, m + num_tail).to(q.device)  # [num_tail, vocab]
+    q = q / q.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
+    one_hot = torch.zeros((m, q.shape[-1]), dtype=q.dtype, device=q.device)  # [m, vocab]
+    if m:
+        one_hot[torch.arange(m), torch.tensor(forced)] = 1.0
+    return torch.cat([one_hot, q])
+
+
+def accept_constrained(
+    seq: SeqState,
+    logits: torch.Tensor,  # [num_drafts + 1, vocab] the sequence's verify rows
+    argmax: Sequence[int],  # [num_drafts + 1] the rows' unmasked argmax
+) -> tuple[int, int]:
+    """``(accepted, bonus)`` under the masks ``check_drafts`` set (module doc)."""
+    masks, grammar = seq.masks, seq.grammar
+    assert masks is not None and grammar is not None, "check_drafts runs before the verify"
+    began = time.perf_counter()
+    try:
+        drafts = seq.pending_drafts
+        if seq.request.params.greedy:
+            for row in range(len(drafts) + 1):
+                target = masked_argmax(logits[row], masks, row, argmax[row])
+                if row == len(drafts) or drafts[row] != target:
+                    return row, target
+            raise AssertionError("unreachable: the last row always returns")
+        allowed = masks.rows().to(logits.device)  # [num_rows, vocab]
+        _require_some(masks, range(masks.num_rows))
+        masked = logits.masked_fill(~allowed, float("-inf"))  # [num_rows, vocab]
+        assert seq.generator is not None
+        probs = target_probs(masked, seq.request.params)  # [num_rows, vocab]
+        return accept_sampled(drafts, seq.pending_probs, probs, seq.generator)
+    finally:
+        seq.masks = None
+        grammar.spent_s += time.perf_counter() - began
+
+
+def first_token(seq: SeqState, logits: torch.Tensor) -> int:  # logits: [vocab]
+    """The token after the prompt, under the grammar's start mask."""
+    grammar = seq.grammar
+    assert grammar is not None
+    masks, _ = grammar.row_masks([])
+    began = time.perf_counter()
+    try:
+        if seq.request.params.greedy:
+            return masked_argmax(logits, masks, 0, int(logits.argmax()))
+        _require_some(masks, [0])
+        allowed = masks.rows().to(logits.device)  # [1, vocab]
+        probs = target_probs(
+            logits[None, :].masked_fill(~allowed, float("-inf")), seq.request.params
+        )
+        assert seq.generator is not None
+        return draw(probs[0], seq.generator)
+    finally:
+        grammar.spent_s += time.perf_counter() - began
+
+
+def masked_argmax(
+    logits: torch.Tensor,  # [vocab] one row
+    masks: RowMasks,
+    row: int,
+    argmax: int,
+) -> int:
+    """The argmax among the tokens ``masks[row]`` allows: the plain argmax
+    when it is allowed (no mask applied), else the row masked."""
+    if masks.allowed(row, argmax):
+        return argmax
+    _require_some(masks, [row])
+    allowed = masks.rows(row, row + 1)[0].to(logits.device)  # [vocab]
+    return int(logits.masked_fill(~allowed, float("-inf")).argmax())
+
+
+def _require_some(masks: RowMasks, rows: Sequence[int] | range) -> None:
+    for row in rows:
+        if not masks.any_allowed(row):
+            raise GrammarError("the grammar allows no token here (an unsatisfiable grammar)")
