@@ -17,7 +17,7 @@ import datetime
 import shlex
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -40,7 +40,9 @@ from metrale.cli.options import (
     option,
 )
 from metrale.engine.config import RuntimeConfig
-from metrale.engine.train.trainer import EvalReport, TrainConfig, TrainProgress
+
+if TYPE_CHECKING:  # torch loads only when a command runs, not for --help
+    from metrale.engine.train.trainer import EvalReport, TrainConfig, TrainProgress
 
 STDERR = Console(stderr=True)
 
@@ -141,6 +143,8 @@ def train_mtp_command(
 ) -> None:
     """Train an MTP head for a model on its own predictions (self-distillation)."""
     try:
+        from metrale.engine.train.trainer import TrainConfig
+
         config = TrainConfig(
             epochs=epochs,
             batch_tokens=batch_tokens,

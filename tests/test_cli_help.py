@@ -65,3 +65,19 @@ def test_help_is_wider_on_a_wide_terminal() -> None:
     out = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "160"}).output
     (line,) = [x for x in out.splitlines() if "--prompt-lookup-shared-cache-scopes" in x]
     assert "Scopes the cache is split over." in line  # beside its flag: room enough
+
+
+def test_the_cli_loads_no_torch_until_a_command_runs() -> None:
+    """`metrale --help` and usage errors answer at once: torch and transformers
+    load only inside a command that needs a model."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, metrale.cli.main\n"
+        "print(','.join(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == ""
