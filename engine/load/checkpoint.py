@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from metrale.engine.load.plain_config import plain_config
 from metrale.engine.load.quant import check_tensors, read_quant
 from metrale.engine.runtime.arch import ArchSpec, CheckpointError, MlaSpec, MoeSpec
 from metrale.engine.runtime.fp8 import BlockFp8
@@ -75,14 +76,22 @@ def read_checkpoint(path: Path) -> Checkpoint:
             f"unsupported architecture {model_type or '?'} ({archs}); supported: {SUPPORTED}"
         )
     quant = read_quant(raw)
-    hf_config = _transformers_config(raw, FAMILIES[model_type])
+    hf_config = family_config(raw, FAMILIES[model_type])
     spec = _arch_spec(hf_config, model_type, FAMILIES[model_type])
     weights = WeightStore.open_folder(path, quant)
     check_tensors(weights.headers(), quant)
     return Checkpoint(path, spec, hf_config, raw, weights, quant)
 
 
-def _transformers_config(raw: dict[str, Any], family: str) -> Any:
+def family_config(raw: dict[str, Any], family: str) -> Any:
+    """The config as the runtime reads it: a complete dense config.json read
+    as written (``plain_config.py``), else transformers' class for the family,
+    which fills in its defaults."""
+    plain = plain_config(raw, family)
+    return plain if plain is not None else transformers_config(raw, family)
+
+
+def transformers_config(raw: dict[str, Any], family: str) -> Any:
     from transformers import AutoConfig
 
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
