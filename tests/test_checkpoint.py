@@ -49,7 +49,7 @@ def test_load_model_reports_what_it_loaded(tmp_path: Path) -> None:
     # keys + values, 3 layers, 2 kv heads of 16, float32
     assert info.kv_bytes_per_token == 2 * 3 * 2 * 16 * 4
     assert loaded.eos_token_ids == (EOS_ID, EOS_ID + 2)
-    assert loaded.tokenizer.decode(loaded.tokenizer("héllo").input_ids) == "héllo"
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("héllo")) == "héllo"
     assert (loaded.model.num_slots, loaded.model.max_len, loaded.model.vocab_size) == (3, 40, 260)
 
 

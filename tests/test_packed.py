@@ -218,3 +218,27 @@ def test_a_packed_file_left_from_other_dense_weights_is_ignored(tmp_path: Path) 
     weights["extra.weight"] = torch.zeros(3)
     save_file(weights, str(path / "model.safetensors"))
     assert load_model(path, runtime).info.weights == "dense"
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_a_packed_embedding_decodes_the_rows_asked_for_bit_for_bit(
+    kernel: PackedKernel, fmt: str
+) -> None:
+    from metrale.engine.runtime.embedding import Embedding
+
+    weight, dense = packed(kernel, random_weight(100, 96, seed=12), fmt)
+    embedding = Embedding(packed=weight)
+    ids = torch.tensor([5, 0, 99, 5, 42])
+    assert torch.equal(embedding(ids), dense[ids])
+    assert torch.equal(embedding(ids), Embedding(dense)(ids))
+    assert embedding.shape == (100, 96) and torch.equal(embedding.matrix(), dense)
+
+
+def test_a_bfloat16_embedding_decodes_its_rows_bit_for_bit(kernel: PackedKernel) -> None:
+    from metrale.engine.runtime.embedding import Embedding
+
+    table = random_weight(40, 64, seed=13).to(torch.bfloat16)
+    data = table.view(torch.uint8).reshape(40, -1)  # [n, 2 * k]
+    weight = PackedWeight.from_rows("bf16", data, torch.zeros(40, 0), kernel)
+    ids = torch.tensor([3, 39, 0])
+    assert torch.equal(Embedding(packed=weight)(ids), table.float()[ids])

@@ -29,6 +29,7 @@ import torch
 from metrale.engine.config import RuntimeConfig
 from metrale.engine.kernels.binding import PackedKernel, kernel_problem, packed_kernel
 from metrale.engine.load.checkpoint import Checkpoint, read_checkpoint
+from metrale.engine.load.fast_tokenizer import read_tokenizer
 from metrale.engine.load.source import HEADS_DIR as HEADS_DIR  # where tests find the heads
 from metrale.engine.load.source import resolve_source
 from metrale.engine.runtime.arch import ArchSpec, CheckpointError
@@ -290,7 +291,8 @@ def count_parameters(module: Any) -> int:
 
     if isinstance(module, LlamaModel):
         head = module.head
-        visit([head.embed, head.norm] + ([] if module.tied else [head.lm_head]))
+        embed = head.embed.packed if head.embed.packed is not None else head.embed.table
+        visit([embed, head.norm] + ([] if module.tied else [head.lm_head]))
         visit(module.stack.blocks)
     else:
         visit(getattr(module, "weights", None))
@@ -298,6 +300,11 @@ def count_parameters(module: Any) -> int:
 
 
 def _tokenizer(folder: Path) -> Any:
+    """``tokenizers`` alone when transformers would run it as that backend
+    (``fast_tokenizer.py``), else transformers' ``AutoTokenizer``."""
+    fast = read_tokenizer(folder)
+    if fast is not None:
+        return fast
     from transformers import AutoTokenizer
 
     try:

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from metrale.engine.kernels.binding import PackedKernel, packed_kernel
 from metrale.engine.runtime.arch import ArchSpec
 from metrale.engine.runtime.block import BlockWeights, KVCache, load_block, make_cache
+from metrale.engine.runtime.embedding import Embedding
 from metrale.engine.runtime.fused_layers import FusedLayers
 from metrale.engine.runtime.kv_cache import RowPlan, SlotKVCache, plan_rows
 from metrale.engine.runtime.latent_cache import LatentCache
@@ -217,7 +218,7 @@ class DecoderStack:
 
 @dataclass
 class HeadWeights:
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: Embedding  # [vocab, hidden] rows
     norm: torch.Tensor  # [hidden]
     lm_head: Weight  # [vocab, hidden]; the embedding itself (or its packed form) when tied
 
@@ -247,16 +248,18 @@ class LlamaModel:
         def get(name: str) -> torch.Tensor:
             return store.get(name).to(device=device, dtype=dtype)
 
-        embed = get("model.embed_tokens.weight")
         tied = spec.tie_embeddings or "lm_head.weight" not in store
         self.tied = tied
-        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        lm_head = packed.get(head_name) if packed else None
-        self.head = HeadWeights(
-            embed=embed,
-            norm=get("model.norm.weight"),
-            lm_head=lm_head or (embed if tied else get("lm_head.weight")),
-        )
+        embed_name = "model.embed_tokens.weight"
+        packed_embed = packed.get(embed_name) if packed else None
+        # A packed embedding decodes the rows it is asked for (embedding.py):
+        # no float32 copy of the table is kept beside its packed form.
+        embed = Embedding(packed=packed_embed) if packed_embed else Embedding(get(embed_name))
+        if tied:
+            lm_head: Weight = packed_embed or embed.matrix()
+        else:
+            lm_head = (packed.get("lm_head.weight") if packed else None) or get("lm_head.weight")
+        self.head = HeadWeights(embed=embed, norm=get("model.norm.weight"), lm_head=lm_head)
         blocks = [
             load_block(store, f"model.layers.{i}.", spec, dtype, device, packed=packed, layer=i)
             for i in range(spec.num_layers)
@@ -293,7 +296,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment], logits: LogitRows = "all") -> ForwardOutput:
         plan = self.plan(segments)
-        x = F.embedding(plan.token_ids, self.head.embed)  # [num_tokens, hidden]
+        x = self.head.embed(plan.token_ids)  # [num_tokens, hidden]
         hidden = self.stack.run(x, plan, self.rope)  # [num_tokens, hidden], pre-norm
         rows = hidden if logits == "all" else hidden.index_select(0, plan.last_rows)
         return ForwardOutput(logits=self.logits(rows), hidden=hidden)

@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from metrale.engine.runtime.block import BlockWeights, load_block, make_cache
 from metrale.engine.runtime.kv_cache import plan_rows
@@ -161,7 +160,7 @@ class MtpLayer:
             segments, model.num_slots, model.max_len, model.device, model.spec.sliding_window
         )
         assert hidden.shape[0] == plan.num_tokens, "one hidden row per segment token"
-        emb = rms_norm(F.embedding(plan.token_ids, model.head.embed), w.token_norm, eps)
+        emb = rms_norm(model.head.embed(plan.token_ids), w.token_norm, eps)
         hidden = hidden.to(model.dtype)
         if w.input_norm is not None:
             hidden = rms_norm(hidden, w.input_norm, eps)

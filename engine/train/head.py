@@ -41,7 +41,7 @@ class TrainableHead(torch.nn.Module):
         self.spec: ArchSpec = model.spec
         # Cloned outside inference mode: the runtime's tensors are inference
         # tensors, which autograd refuses to save for backward.
-        self.embed = model.head.embed.float().clone()  # [vocab, hidden], frozen
+        self.embed = model.head.embed.matrix().float().clone()  # [vocab, hidden], frozen
         lm_head = as_dense(model.head.lm_head)
         self.lm_head = self.embed if model.tied else lm_head.float().clone()
         self.cos = model.rope.cos.float().clone()  # [max_len, head_dim]

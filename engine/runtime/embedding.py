@@ -1,0 +1,68 @@
+"""Token ids to embedding rows, from a dense table or from packed rows.
+
+Contract: ``Embedding(ids)`` gives ``[len(ids), hidden]`` in the model's
+dtype. A dense embedding indexes its table. A packed one (the embedded
+model's Q8_0 embedding, which is also its tied LM head) keeps the weight's
+row-major blocks and decodes only the rows asked for, with the kernel's own
+arithmetic (Q8_0: ``q * d``; Q4_1: ``q * d + m``, two roundings; bfloat16:
+widened), so each row is bit for bit the dense table's and no float32 copy of
+the whole table is held: the blocks are a quarter (Q8_0) of its bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from metrale.engine.runtime.packed import PackedWeight
+
+
+class Embedding:
+    """``table`` ``[vocab, hidden]`` when dense; ``packed`` when the rows are."""
+
+    def __init__(
+        self, table: torch.Tensor | None = None, packed: PackedWeight | None = None
+    ) -> None:
+        assert (table is None) != (packed is None), "a dense table or packed rows"
+        self.table, self.packed = table, packed
+        # ([vocab, row_bytes] uint8, [vocab, row_scales] float32) of a packed table
+        self._blocks = packed.row_blocks() if packed is not None else None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        if self.table is not None:
+            rows, cols = self.table.shape
+            return int(rows), int(cols)
+        assert self.packed is not None
+        return self.packed.shape
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [n] int64
+        if self.table is not None:
+            return F.embedding(ids, self.table)  # [n, hidden]
+        assert self.packed is not None and self._blocks is not None
+        data, scales = self._blocks
+        return decode_rows(self.packed.fmt, data[ids.cpu()], scales[ids.cpu()]).to(ids.device)
+
+    def matrix(self) -> torch.Tensor:
+        """The whole table ``[vocab, hidden]`` (training reads it; decoding never does)."""
+        if self.table is not None:
+            return self.table
+        assert self.packed is not None
+        return self.packed.dense()
+
+
+def decode_rows(fmt: str, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Row-major packed blocks (``PackedWeight.row_blocks``' layout) of ``rows``
+    rows -> float32 ``[rows, k]``."""
+    rows = data.shape[0]
+    if fmt == "q8_0":
+        q = data.view(torch.int8).float().view(rows, -1, 32)  # [rows, blocks, 32]
+        return (q * scales.view(rows, -1, 1)).view(rows, -1)
+    if fmt == "q4_1":
+        packed = data.view(rows, -1, 16)  # [rows, blocks, 16]: low nibbles first
+        q = torch.cat([(packed & 0x0F).float(), (packed >> 4).float()], dim=-1)
+        d_m = scales.view(rows, -1, 2)  # [rows, blocks, (d, m)]
+        return (q * d_m[..., :1] + d_m[..., 1:]).view(rows, -1)
+    if fmt == "bf16":
+        return data.contiguous().view(torch.bfloat16).float()
+    raise ValueError(f"unknown packed format {fmt!r}")
