@@ -121,17 +121,15 @@ class FastTokenizer:
         tokenize: bool = False,
         add_generation_prompt: bool = False,
         **kwargs: Any,
-    ) -> str:
-        """The conversation rendered to text (``tokenize=True`` is not offered:
-        metrale encodes the text itself, see ``engine/prompts.py``)."""
-        if tokenize:
-            raise ValueError("FastTokenizer renders text only; encode it with encode()")
+    ) -> Any:
+        """The conversation rendered to text; with ``tokenize`` its ids, the
+        text encoded without special tokens (the template writes them)."""
         if self.chat_template is None:
             raise ValueError(f"{self.name_or_path} has no chat template")
         if self._compiled is None:
             self._compiled = _environment().from_string(self.chat_template)
         variables = {**self.special_tokens_map, **kwargs}
-        return str(
+        text = str(
             self._compiled.render(
                 messages=[dict(m) for m in conversation],
                 tools=None,
@@ -140,6 +138,7 @@ class FastTokenizer:
                 **variables,
             )
         )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
 def _token_text(value: Any) -> str:

@@ -14,19 +14,41 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metrale.engine.runtime.packed import PackedWeight
+from metrale.engine.kernels.binding import PackedKernel
+from metrale.engine.runtime.packed import PackedRows, PackedWeight
 
 
 class Embedding:
     """``table`` ``[vocab, hidden]`` when dense; ``packed`` when the rows are."""
 
     def __init__(
-        self, table: torch.Tensor | None = None, packed: PackedWeight | None = None
+        self,
+        table: torch.Tensor | None = None,
+        packed: PackedWeight | None = None,
+        blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """``blocks``: ``packed``'s row-major blocks when the caller has them
+        (read from the packed file), so they are not untiled again."""
         assert (table is None) != (packed is None), "a dense table or packed rows"
         self.table, self.packed = table, packed
+        if packed is not None and blocks is None:
+            blocks = packed.row_blocks()
         # ([vocab, row_bytes] uint8, [vocab, row_scales] float32) of a packed table
-        self._blocks = packed.row_blocks() if packed is not None else None
+        self._blocks = blocks
+
+    @classmethod
+    def from_rows(cls, rows: PackedRows, kernel: PackedKernel) -> Embedding:
+        """A packed table from its row-major blocks, which it keeps (no copy)."""
+        fmt, data, scales = rows
+        return cls(packed=PackedWeight.from_rows(fmt, data, scales, kernel), blocks=(data, scales))
+
+    def packed_rows(self, index: torch.Tensor) -> PackedWeight:
+        """Rows ``index`` of a packed table as a packed weight (an MTP head's
+        draft vocabulary of a tied LM head), from the kept blocks."""
+        assert self.packed is not None and self._blocks is not None
+        data, scales = self._blocks
+        fmt, kernel = self.packed.fmt, self.packed.kernel
+        return PackedWeight.from_rows(fmt, data[index], scales[index], kernel)
 
     @property
     def shape(self) -> tuple[int, int]:

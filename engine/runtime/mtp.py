@@ -132,7 +132,12 @@ class MtpLayer:
         self.draft_vocab = weights.draft_vocab
         if self.draft_vocab is not None:
             index = self.draft_vocab.to(model.device)
-            rows = lm_head.rows(index) if isinstance(lm_head, PackedWeight) else lm_head[index]
+            if lm_head is model.head.embed.packed:  # a tied head: its rows are kept
+                rows: Weight = model.head.embed.packed_rows(index)
+            elif isinstance(lm_head, PackedWeight):
+                rows = lm_head.rows(index)
+            else:
+                rows = lm_head[index]
             lm_head, self.draft_vocab = rows, index
         self.lm_head: Weight = lm_head
 

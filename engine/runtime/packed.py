@@ -176,10 +176,17 @@ def _dense_size(folder: Path) -> str:
     return str(dense.stat().st_size) if dense.exists() else "none"
 
 
+PackedRows = tuple[str, torch.Tensor, torch.Tensor]  # (fmt, data [n, row_bytes], scales [n, ...])
+
+
 class PackedSource(Protocol):
-    """Where the runtime asks for a linear weight in packed form first."""
+    """Where the runtime asks for a linear weight in packed form first:
+    ``get`` in the kernel's layout, ``get_rows`` as row-major blocks (what an
+    embedding decodes its rows from)."""
 
     def get(self, name: str) -> PackedWeight | None: ...
+
+    def get_rows(self, name: str) -> PackedRows | None: ...
 
 
 class PackedStore:
@@ -205,12 +212,16 @@ class PackedStore:
         return cls(file, formats, kernel)
 
     def get(self, name: str) -> PackedWeight | None:
+        rows = self.get_rows(name)
+        return PackedWeight.from_rows(*rows, self.kernel) if rows is not None else None
+
+    def get_rows(self, name: str) -> PackedRows | None:
         if name not in self.formats:
             return None
         with safe_open(str(self.file), framework="pt") as handle:
             data = handle.get_tensor(f"{name}.data")
             scales = handle.get_tensor(f"{name}.scales")
-        return PackedWeight.from_rows(self.formats[name], data, scales, self.kernel)
+        return self.formats[name], data, scales
 
 
 class Bf16Source:
@@ -221,6 +232,10 @@ class Bf16Source:
         self.kernel = kernel
 
     def get(self, name: str) -> PackedWeight | None:
+        rows = self.get_rows(name)
+        return PackedWeight.from_rows(*rows, self.kernel) if rows is not None else None
+
+    def get_rows(self, name: str) -> PackedRows | None:
         # The header first: a weight stored otherwise (FP8, float32) is not read twice.
         if name not in self.store or self.store.dtype(name) != "BF16":
             return None
@@ -229,8 +244,7 @@ class Bf16Source:
             return None
         rows = value.shape[0]
         data = value.contiguous().view(torch.uint8).reshape(rows, -1)  # [n, 2 * k]
-        no_scales = torch.zeros(rows, 0, dtype=torch.float32)
-        return PackedWeight.from_rows("bf16", data, no_scales, self.kernel)
+        return "bf16", data, torch.zeros(rows, 0, dtype=torch.float32)
 
 
 def save_packed(weights: dict[str, tuple[str, torch.Tensor, torch.Tensor]], file: Path) -> None:
