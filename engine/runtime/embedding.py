@@ -3,10 +3,11 @@
 Contract: ``Embedding(ids)`` gives ``[len(ids), hidden]`` in the model's
 dtype. A dense embedding indexes its table. A packed one (the embedded
 model's Q8_0 embedding, which is also its tied LM head) keeps the weight's
-row-major blocks and decodes only the rows asked for, with the kernel's own
+tiles and decodes only the rows asked for, gathered from them, with the kernel's own
 arithmetic (Q8_0: ``q * d``; Q4_1: ``q * d + m``, two roundings; bfloat16:
 widened), so each row is bit for bit the dense table's and no float32 copy of
-the whole table is held: the blocks are a quarter (Q8_0) of its bytes.
+the whole table is held, nor a second layout of it: a tied LM head's packed
+weight is the embedding too.
 """
 
 from __future__ import annotations
@@ -14,41 +15,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metrale.engine.kernels.binding import PackedKernel
-from metrale.engine.runtime.packed import PackedRows, PackedWeight
+from metrale.engine.runtime.packed import BLOCK, GROUP, LAYOUT, STRIP, PackedWeight
 
 
 class Embedding:
     """``table`` ``[vocab, hidden]`` when dense; ``packed`` when the rows are."""
 
     def __init__(
-        self,
-        table: torch.Tensor | None = None,
-        packed: PackedWeight | None = None,
-        blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, table: torch.Tensor | None = None, packed: PackedWeight | None = None
     ) -> None:
-        """``blocks``: ``packed``'s row-major blocks when the caller has them
-        (read from the packed file), so they are not untiled again."""
         assert (table is None) != (packed is None), "a dense table or packed rows"
         self.table, self.packed = table, packed
-        if packed is not None and blocks is None:
-            blocks = packed.row_blocks()
-        # ([vocab, row_bytes] uint8, [vocab, row_scales] float32) of a packed table
-        self._blocks = blocks
-
-    @classmethod
-    def from_rows(cls, rows: PackedRows, kernel: PackedKernel) -> Embedding:
-        """A packed table from its row-major blocks, which it keeps (no copy)."""
-        fmt, data, scales = rows
-        return cls(packed=PackedWeight.from_rows(fmt, data, scales, kernel), blocks=(data, scales))
-
-    def packed_rows(self, index: torch.Tensor) -> PackedWeight:
-        """Rows ``index`` of a packed table as a packed weight (an MTP head's
-        draft vocabulary of a tied LM head), from the kept blocks."""
-        assert self.packed is not None and self._blocks is not None
-        data, scales = self._blocks
-        fmt, kernel = self.packed.fmt, self.packed.kernel
-        return PackedWeight.from_rows(fmt, data[index], scales[index], kernel)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -61,9 +38,16 @@ class Embedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [n] int64
         if self.table is not None:
             return F.embedding(ids, self.table)  # [n, hidden]
-        assert self.packed is not None and self._blocks is not None
-        data, scales = self._blocks
-        return decode_rows(self.packed.fmt, data[ids.cpu()], scales[ids.cpu()]).to(ids.device)
+        assert self.packed is not None
+        fmt, (data, scales) = self.packed.fmt, tiled_rows(self.packed, ids.cpu())
+        return decode_rows(fmt, data, scales).to(ids.device)
+
+    def packed_rows(self, index: torch.Tensor) -> PackedWeight:
+        """Rows ``index`` of a packed table as a packed weight (an MTP head's
+        draft vocabulary of a tied LM head)."""
+        assert self.packed is not None
+        data, scales = tiled_rows(self.packed, index.cpu())
+        return PackedWeight.from_rows(self.packed.fmt, data, scales, self.packed.kernel)
 
     def matrix(self) -> torch.Tensor:
         """The whole table ``[vocab, hidden]`` (training reads it; decoding never does)."""
@@ -71,6 +55,30 @@ class Embedding:
             return self.table
         assert self.packed is not None
         return self.packed.dense()
+
+
+def tiled_rows(weight: PackedWeight, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``ids`` of ``weight`` in the row-major block layout (``row_blocks``),
+    gathered straight from its tiles: row ``r`` is lane ``r % 8`` of strip
+    ``r // 8 % 8`` of group ``r // 64`` in every block, so no untiled copy of
+    the whole weight is made."""
+    element, per_block, num_scales = LAYOUT[weight.fmt]
+    k = weight.shape[1]
+    blocks = k // BLOCK
+    group, strip, lane = ids // (GROUP * STRIP), ids // STRIP % GROUP, ids % STRIP
+
+    def gather(tiles: torch.Tensor, per_row: int) -> torch.Tensor:
+        # tiles: [groups, blocks * GROUP * per_row * STRIP] -> [len(ids), blocks * per_row]
+        grid = tiles.view(tiles.shape[0], blocks, GROUP, per_row, STRIP)
+        return grid[group, :, strip, :, lane].reshape(len(ids), blocks * per_row)
+
+    data = gather(weight.tiles.view(element), per_block).view(torch.uint8)
+    scales = (
+        gather(weight.tile_scales, num_scales)
+        if num_scales
+        else weight.tile_scales.new_zeros(len(ids), 0)
+    )
+    return data.reshape(len(ids), -1), scales
 
 
 def decode_rows(fmt: str, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -251,14 +251,10 @@ class LlamaModel:
         tied = spec.tie_embeddings or "lm_head.weight" not in store
         self.tied = tied
         embed_name = "model.embed_tokens.weight"
-        rows = packed.get_rows(embed_name) if packed else None
-        kernel = packed_kernel() if rows else None  # a packed source runs in the kernel
+        packed_embed = packed.get(embed_name) if packed else None
         # A packed embedding decodes the rows it is asked for (embedding.py):
         # no float32 copy of the table is kept beside its packed form.
-        if rows is not None and kernel is not None:
-            embed = Embedding.from_rows(rows, kernel)
-        else:
-            embed = Embedding(get(embed_name))
+        embed = Embedding(packed=packed_embed) if packed_embed else Embedding(get(embed_name))
         if tied:
             lm_head: Weight = embed.packed or embed.matrix()
         else:

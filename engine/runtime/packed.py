@@ -39,14 +39,14 @@ PACKED_FILE = "packed.safetensors"
 
 # Per format: the element a block value is stored in, values of one row's
 # block in that element (Q4_1 packs two per byte), and scales a block has.
-_BLOCK = 32
-_LAYOUT = {
-    "q4_1": (torch.uint8, _BLOCK // 2, 2),
-    "q8_0": (torch.uint8, _BLOCK, 1),
-    "bf16": (torch.int16, _BLOCK, 0),
+BLOCK = 32
+LAYOUT = {
+    "q4_1": (torch.uint8, BLOCK // 2, 2),
+    "q8_0": (torch.uint8, BLOCK, 1),
+    "bf16": (torch.int16, BLOCK, 0),
 }
-_STRIP = 8  # rows of a strip: the kernel decodes one column of 8 rows per load
-_GROUP = 8  # strips of a group: 64 rows, stored block by block
+STRIP = 8  # rows of a strip: the kernel decodes one column of 8 rows per load
+GROUP = 8  # strips of a group: 64 rows, stored block by block
 
 
 @dataclass(frozen=True)
@@ -70,31 +70,31 @@ class PackedWeight:
         """From ``data`` ``[n, row_bytes]`` uint8 and ``scales`` ``[n, row_scales]``
         float32, the GGUF block order of each row (Q4_1: 16 bytes a block, low
         nibbles the block's first 16 values; scales ``(d, m)`` per block)."""
-        if fmt not in _LAYOUT:
+        if fmt not in LAYOUT:
             raise ValueError(f"unknown packed format {fmt!r}; known: {', '.join(FORMATS)}")
         if data.dtype != torch.uint8 or scales.dtype != torch.float32:
             raise ValueError("packed data must be uint8 and scales float32")
-        element, per_block, num_scales = _LAYOUT[fmt]
+        element, per_block, num_scales = LAYOUT[fmt]
         rows, row_bytes = data.shape
-        k = row_bytes // element.itemsize * _BLOCK // per_block
+        k = row_bytes // element.itemsize * BLOCK // per_block
         if row_bytes % element.itemsize or row_bytes // element.itemsize % per_block:
-            raise ValueError(f"packed weight {fmt} with {k} columns: not a multiple of {_BLOCK}")
-        if scales.shape != (rows, k // _BLOCK * num_scales):
+            raise ValueError(f"packed weight {fmt} with {k} columns: not a multiple of {BLOCK}")
+        if scales.shape != (rows, k // BLOCK * num_scales):
             raise ValueError(
                 f"packed weight {fmt} [{rows}, {k}]: scales {tuple(scales.shape)}, "
-                f"expected {(rows, k // _BLOCK * num_scales)}"
+                f"expected {(rows, k // BLOCK * num_scales)}"
             )
         values = data.contiguous().view(element)  # [n, k / 32 * per_block]
-        tiles = _to_tiles(values.reshape(rows, k // _BLOCK, per_block))
-        tile_scales = _to_tiles(scales.reshape(rows, k // _BLOCK, num_scales))
+        tiles = _to_tiles(values.reshape(rows, k // BLOCK, per_block))
+        tile_scales = _to_tiles(scales.reshape(rows, k // BLOCK, num_scales))
         return PackedWeight(fmt, tiles.view(torch.uint8), tile_scales, (rows, k), kernel)
 
     def row_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(data, scales)`` in the row-major layout ``from_rows`` takes."""
-        element, per_block, num_scales = _LAYOUT[self.fmt]
+        element, per_block, num_scales = LAYOUT[self.fmt]
         n, k = self.shape
-        values = _from_tiles(self.tiles.view(element), n, k // _BLOCK, per_block)
-        scales = _from_tiles(self.tile_scales, n, k // _BLOCK, num_scales)
+        values = _from_tiles(self.tiles.view(element), n, k // BLOCK, per_block)
+        scales = _from_tiles(self.tile_scales, n, k // BLOCK, num_scales)
         return values.view(torch.uint8).reshape(n, -1), scales
 
     def dense(self) -> torch.Tensor:
@@ -127,7 +127,7 @@ class PackedWeight:
         if any(p.fmt != first.fmt or p.shape[1] != first.shape[1] for p in parts):
             raise ValueError("only packed weights of one format and width can be stacked")
         rows = sum(p.shape[0] for p in parts)
-        if all(p.shape[0] % (_GROUP * _STRIP) == 0 for p in parts):
+        if all(p.shape[0] % (GROUP * STRIP) == 0 for p in parts):
             # Whole groups of rows, none padded: the stacked tiles are the parts' tiles in turn.
             tiles = torch.cat([p.tiles for p in parts])
             scales = torch.cat([p.tile_scales for p in parts])
@@ -142,19 +142,19 @@ def _to_tiles(blocks: torch.Tensor) -> torch.Tensor:
     """``[n, blocks, e]`` -> ``[groups, blocks * 8 * e * 8]``: rows padded with
     zeros to whole groups of 64, stored ``[group][block][strip][e][row]``."""
     n, num_blocks, e = blocks.shape
-    pad = -n % (_GROUP * _STRIP)
+    pad = -n % (GROUP * STRIP)
     if pad:
         blocks = torch.cat([blocks, blocks.new_zeros(pad, num_blocks, e)])
-    groups = (n + pad) // (_GROUP * _STRIP)
-    tiles = blocks.reshape(groups, _GROUP, _STRIP, num_blocks, e).permute(0, 3, 1, 4, 2)
-    return tiles.contiguous().reshape(groups, num_blocks * _GROUP * e * _STRIP)
+    groups = (n + pad) // (GROUP * STRIP)
+    tiles = blocks.reshape(groups, GROUP, STRIP, num_blocks, e).permute(0, 3, 1, 4, 2)
+    return tiles.contiguous().reshape(groups, num_blocks * GROUP * e * STRIP)
 
 
 def _from_tiles(tiles: torch.Tensor, n: int, num_blocks: int, e: int) -> torch.Tensor:
     """The inverse of ``_to_tiles``: ``[n, blocks * e]``."""
     groups = tiles.shape[0]
-    blocks = tiles.reshape(groups, num_blocks, _GROUP, e, _STRIP).permute(0, 2, 4, 1, 3)
-    return blocks.reshape(groups * _GROUP * _STRIP, num_blocks * e)[:n].contiguous()
+    blocks = tiles.reshape(groups, num_blocks, GROUP, e, STRIP).permute(0, 2, 4, 1, 3)
+    return blocks.reshape(groups * GROUP * STRIP, num_blocks * e)[:n].contiguous()
 
 
 # The byte size of the dense model.safetensors the packed file was written
@@ -176,17 +176,14 @@ def _dense_size(folder: Path) -> str:
     return str(dense.stat().st_size) if dense.exists() else "none"
 
 
-PackedRows = tuple[str, torch.Tensor, torch.Tensor]  # (fmt, data [n, row_bytes], scales [n, ...])
+# (fmt, data [n, row_bytes] uint8, scales [n, row_scales] float32): from_rows' input
+PackedRows = tuple[str, torch.Tensor, torch.Tensor]
 
 
 class PackedSource(Protocol):
-    """Where the runtime asks for a linear weight in packed form first:
-    ``get`` in the kernel's layout, ``get_rows`` as row-major blocks (what an
-    embedding decodes its rows from)."""
+    """Where the runtime asks for a linear weight in packed form first."""
 
     def get(self, name: str) -> PackedWeight | None: ...
-
-    def get_rows(self, name: str) -> PackedRows | None: ...
 
 
 class PackedStore:
