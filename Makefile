@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The shipped sample workload `make run` generates on.
 RUN_INPUT ?= sample_prompts/code_edits.jsonl
 
-.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine mtp-head mtp-eval clean
+.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine bench-startup mtp-head mtp-eval clean
 
 all: test
 
@@ -64,6 +64,11 @@ bench-lookup: setup
 bench-runtime: setup
 	$(PY) -m metrale.engine.bench.runtime
 	$(PY) -m metrale.engine.bench.runtime --moe
+
+# A one-line job's time to its first output line and peak memory, next to a
+# bare `python -c "import torch"` in the same run.
+bench-startup: setup
+	$(PY) -m metrale.engine.bench.startup
 
 # The batch engine next to transformers' greedy generate (batch 1 and 16, same
 # dtype and threads), and the engine with speculation over without.
