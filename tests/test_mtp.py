@@ -22,7 +22,12 @@ from metrale.engine.runtime.mtp_head import (
     load_mtp_head,
     save_mtp_head,
 )
-from tests.checkpoints import load_reference_model, random_weights, write_tiny_checkpoint
+from tests.checkpoints import (
+    build_runtime,
+    load_reference_model,
+    random_weights,
+    write_tiny_checkpoint,
+)
 
 # layout -> (family, key prefix of the module's parts, names of (token norm,
 # hidden norm, projection, final norm), hidden first?, norm offset)
@@ -53,15 +58,7 @@ LAYOUTS: dict[str, tuple[str, str, tuple[str, str, str, str], bool, float]] = {
 
 def build(path: Path, num_slots: int = 2, max_len: int = 64) -> tuple[LlamaModel, list[MtpLayer]]:
     ckpt = read_checkpoint(path)
-    model = LlamaModel(
-        ckpt.spec,
-        ckpt.hf_config,
-        ckpt.weights,
-        num_slots=num_slots,
-        max_len=max_len,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    model = build_runtime(path, num_slots, max_len)
     found = detect_mtp(ckpt.raw_config, ckpt.weights.names(), ckpt.spec.num_layers)
     assert found is not None
     return model, load_checkpoint_mtp(model, ckpt.weights, found)
