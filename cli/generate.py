@@ -18,6 +18,7 @@ from typing import IO, Annotated
 import typer
 from rich.console import Console
 
+from metrale.cli.grammar_fields import schema_file_grammar
 from metrale.cli.jsonl import LineDefaults
 from metrale.cli.options import (
     MTP_DRAFTS,
@@ -46,7 +47,7 @@ from metrale.cli.options import (
 )
 from metrale.cli.records import done_ids
 from metrale.cli.run import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Backend, RunPlan, run
-from metrale.engine.api import SamplingParams
+from metrale.engine.api import Grammar, SamplingParams
 from metrale.engine.config import (
     MTP_MIN_PROB,
     EngineConfig,
@@ -138,6 +139,14 @@ def generate(
             panel=SPECULATION,
         ),
     ] = None,
+    forced_drafts: Annotated[
+        bool,
+        option(
+            "--forced-drafts/--no-forced-drafts",
+            "Draft the tokens a line's grammar forces (always accepted).",
+            panel=SPECULATION,
+        ),
+    ] = True,
     max_batch: Annotated[
         int, option("--max-batch", "Sequences decoded together.", panel=RUNTIME)
     ] = 16,
@@ -158,6 +167,14 @@ def generate(
     seed: Annotated[
         int | None,
         option("--seed", "A line without 'seed' uses this + its line number.", panel=SAMPLING),
+    ] = None,
+    json_schema: Annotated[
+        Path | None,
+        option(
+            "--json-schema",
+            "JSON schema FILE the output of every line that names no grammar must match.",
+            panel=SAMPLING,
+        ),
     ] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -194,6 +211,7 @@ def generate(
             if prompt_lookup
             else None,
             shared_lookup=SharedLookupSettings(cache_mb=pl_shared_mb, scopes=pl_shared_scopes),
+            forced_drafts=forced_drafts,
         )
         runtime = RuntimeConfig(
             device=device,
@@ -210,6 +228,7 @@ def generate(
         )
     except ValueError as exc:  # the configs' messages name a field: say its flag
         raise config_error(exc) from exc
+    grammar = _schema_file(json_schema)
     console = Console(stderr=True)
     backend = _load(console, model, runtime, engine_cfg)
     plan = RunPlan(
@@ -219,15 +238,26 @@ def generate(
         skip_ids=frozenset(done_ids(Path(out_path))) if resume and out_path else frozenset(),
         stats_json=stats_json,
         progress=_view_mode(progress, console, out_path is None),
-        defaults=LineDefaults(params=params, scope=shared_scope),
+        defaults=LineDefaults(params=params, scope=shared_scope, grammar=grammar),
         settings={
             "model": model,
+            "json_schema": None if json_schema is None else str(json_schema),
             "engine": dataclasses.asdict(engine_cfg),
             "runtime": dataclasses.asdict(runtime),
             "sampling": dataclasses.asdict(params),
         },
     )
     raise typer.Exit(_run_into(plan, backend, console, append=resume))
+
+
+def _schema_file(path: Path | None) -> Grammar | None:
+    """``--json-schema FILE``, checked before the model loads."""
+    if path is None:
+        return None
+    try:
+        return schema_file_grammar(path)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--json-schema") from exc
 
 
 def _io_paths(

@@ -11,6 +11,8 @@ Figures: ``mean tokens/verify`` counts the bonus token, so plain decoding
 scores 1.0. "own history" copies come from the sequence's own prompt and
 output, "shared cache" ones from earlier requests of the same scope; the
 engine counts the latter inside its totals, so own = total - shared here.
+"grammar: forced" are drafts that were a grammar's forced continuation (the
+only token its mask allowed): a source of their own, always accepted.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def summary_line(stats: EngineStats, counters: RunCounters) -> str:
 
 
 def speculation_table(stats: EngineStats) -> Table:
-    """Prompt-lookup copies (own, shared, all) and MTP drafts by position."""
+    """Prompt-lookup copies (own, shared, all), MTP drafts by position and,
+    once a request with a grammar ran, its forced drafts."""
     table = Table(title="speculation", title_justify="left", expand=False)
     for name in ("source", "copies", "proposed", "accepted", "acceptance"):
         table.add_column(name, justify="left" if name == "source" else "right")
@@ -109,6 +112,9 @@ def speculation_table(stats: EngineStats) -> Table:
         table.add_row(f"MTP draft {i + 1}", "", str(p), str(a), _rate(a, p))
     if not stats.mtp_proposed_by_position:
         table.add_row("MTP drafts", "", "0", "0", "-")
+    if stats.grammar_requests or stats.forced_proposed:
+        p, a = stats.forced_proposed, stats.forced_accepted
+        table.add_row("grammar: forced", "", str(p), str(a), _rate(a, p))
     return table
 
 

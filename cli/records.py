@@ -49,7 +49,7 @@ def result_record(parsed: ParsedLine, result: Result, model_name: str) -> dict[s
             "text": result.text,
             "finish_reason": result.finish_reason,
             "usage": usage,
-            "speculation": speculation(result.stats),
+            "speculation": speculation(result.stats, parsed.grammar is not None),
         }
         if parsed.metadata is not None:
             record["metadata"] = parsed.metadata
@@ -103,17 +103,23 @@ def error_record(err: LineError) -> dict[str, Any]:
     )
 
 
-def speculation(stats: RequestStats) -> dict[str, Any]:
+def speculation(stats: RequestStats, constrained: bool = False) -> dict[str, Any]:
     """Per-request figures. ``mean_tokens_per_verify`` counts the bonus token
     (plain decoding scores 1.0); the first output token comes from the
-    prefill and is in neither ``verifies`` nor ``verify_tokens``."""
-    return {
+    prefill and is in neither ``verifies`` nor ``verify_tokens``. A request
+    with a grammar also has ``forced`` (its grammar's forced drafts) and
+    ``grammar_ms`` (time spent on its grammar)."""
+    figures = {
         "verifies": stats.verifies,
         "verify_tokens": stats.verify_tokens,
         "mean_tokens_per_verify": round(stats.mean_tokens_per_verify, 3),
         "mtp": {"proposed": stats.mtp_proposed, "accepted": stats.mtp_accepted},
         **copy_figures(stats),
     }
+    if constrained:
+        figures["forced"] = {"proposed": stats.forced_proposed, "accepted": stats.forced_accepted}
+        figures["grammar_ms"] = round(1e3 * stats.grammar_s, 3)
+    return figures
 
 
 def copy_figures(stats: RequestStats | EngineStats) -> dict[str, dict[str, int]]:

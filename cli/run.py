@@ -251,7 +251,9 @@ def run_figures(
 ) -> dict[str, Any]:
     """The ``--stats-json`` document. ``prompt_lookup`` counts every copy,
     ``shared_lookup`` the part of them the cross-request cache supplied;
-    ``mean_tokens_per_verify`` counts the bonus token."""
+    ``mean_tokens_per_verify`` counts the bonus token. ``forced`` counts the
+    grammars' forced drafts; ``grammar`` the constrained requests, the tokens
+    they emitted and the time their grammars took, in total and per token."""
     return {
         "model": model,
         "requests": counters.written,
@@ -274,5 +276,12 @@ def run_figures(
             "accepted_by_position": list(stats.mtp_accepted_by_position),
         },
         "window_histogram": {str(k): v for k, v in sorted(stats.window_histogram.items())},
+        "forced": {"proposed": stats.forced_proposed, "accepted": stats.forced_accepted},
+        "grammar": {
+            "requests": stats.grammar_requests,
+            "tokens": stats.grammar_tokens,
+            "mask_s": stats.grammar_s,
+            "mask_us_per_token": stats.grammar_us_per_token,
+        },
         "settings": settings,
     }

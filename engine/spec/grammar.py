@@ -45,8 +45,9 @@ class GrammarError(ValueError):
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> Grammar:
-    """A schema object as a ``Grammar`` (keys sorted, so equal schemas are equal)."""
-    return Grammar("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+    """A schema object as a ``Grammar``. Key order is kept: it is the order
+    in which the output writes an object's properties."""
+    return Grammar("json_schema", json.dumps(schema, ensure_ascii=False))
 
 
 def choice_grammar(choices: Sequence[str]) -> Grammar:

@@ -85,8 +85,11 @@ class GrammarMatcher:
         if limit <= 0:
             return []
         began = time.perf_counter()
-        tokens = [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]
-        self.spent_s += time.perf_counter() - began
+        try:
+            tokens = [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]
+            self._raise_if_broken()
+        finally:
+            self.spent_s += time.perf_counter() - began
         return tokens
 
     def allowed_prefix(self, drafts: Sequence[int]) -> int:
@@ -100,14 +103,16 @@ class GrammarMatcher:
     def row_masks(self, drafts: Sequence[int]) -> tuple[RowMasks, int]:
         """Masks along ``drafts`` and how many of them the grammar allows:
         rows ``0..kept`` are filled, row ``i`` being the mask after the first
-        ``i`` drafts; ``drafts[kept]``, if any, is the first one forbidden.
-        The state is rolled back to where it was."""
+        ``i`` drafts; ``drafts[kept]``, if any, is the first one forbidden, or
+        follows the draft that ended the grammar (EOS). The state is rolled
+        back to where it was."""
         began = time.perf_counter()
         bits = np.zeros((len(drafts) + 1, self.words), dtype=np.int32)  # [rows, words]
         kept = 0
         try:
             for row in range(len(drafts) + 1):
                 llguidance.numpy.fill_next_token_bitmask(self._matcher, bits, row)
+                self._raise_if_broken()
                 if row == len(drafts):
                     break
                 token = drafts[row]
@@ -118,11 +123,23 @@ class GrammarMatcher:
                         f"a token its mask allowed failed: {self._matcher.get_error()}"
                     )
                 kept += 1
+                if self._matcher.is_stopped():
+                    # An EOS (or the grammar's end): nothing after it is
+                    # emitted, and a stopped matcher counts no further token,
+                    # so walking on would make the rollback undo too much.
+                    llguidance.numpy.fill_next_token_bitmask(self._matcher, bits, kept)
+                    break
         finally:
             if kept:
                 self._matcher.rollback(kept)
             self.spent_s += time.perf_counter() - began
         return RowMasks(bits[: kept + 1], self.vocab_size), kept
+
+    def _raise_if_broken(self) -> None:
+        # A matcher in its error state only ever allows EOS, which would end
+        # the output "complete" where it is not: the request fails instead.
+        if self._matcher.is_error():
+            raise GrammarError(f"the grammar cannot go on: {self._matcher.get_error()[:500]}")
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Consumes tokens the request emitted; a token the grammar forbids
