@@ -98,14 +98,23 @@ class GrammarCompiler:
     def for_tokenizer(
         cls, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]
     ) -> GrammarCompiler:
-        """Binds a Hugging Face fast tokenizer; ``vocab_size`` is the width of
-        the model's logits (token ids the tokenizer lacks are never allowed),
-        and every id in ``eos_token_ids`` ends the output where the grammar
-        is complete."""
-        from llguidance.hf import from_tokenizer
+        """Binds a tokenizer backed by a ``tokenizers.Tokenizer`` (its
+        ``backend_tokenizer``: transformers' fast tokenizers and the loader's
+        own); ``vocab_size`` is the width of the model's logits (token ids the
+        tokenizer lacks are never allowed), and every id in ``eos_token_ids``
+        ends the output where the grammar is complete."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None or not hasattr(backend, "to_str"):
+            raise GrammarError("the tokenizer cannot drive a grammar: it has no tokenizer.json")
+        from tokenizers import Tokenizer
 
+        plain = Tokenizer.from_str(backend.to_str())  # a copy: padding and truncation off
+        plain.no_padding()
+        plain.no_truncation()
         try:
-            binding = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+            binding = llguidance.LLTokenizer(
+                plain.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
+            )
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"the tokenizer cannot drive a grammar: {exc}") from None
         return cls(binding)
