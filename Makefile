@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The shipped sample workload `make run` generates on.
 RUN_INPUT ?= sample_prompts/code_edits.jsonl
 
-.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine bench-startup mtp-head mtp-eval clean
+.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine bench-startup bench-grammar mtp-head mtp-eval clean
 
 all: test
 
@@ -74,6 +74,11 @@ bench-startup: setup
 # dtype and threads), and the engine with speculation over without.
 bench-engine: setup
 	$(PY) -m metrale.engine.bench.engine
+
+# Structured outputs on sample_prompts/json_extract.jsonl at batch 1 and 16:
+# constrained with and without drafts (forced, MTP, copies) and unconstrained.
+bench-grammar: setup
+	$(PY) -m metrale.engine.bench.grammar --json build/bench_grammar.json
 
 # The MTP head shipped for the embedded SmolLM2-135M-Instruct, from scratch:
 # instruct prompts over standard-library code and docs, JSON and prose

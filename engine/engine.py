@@ -112,7 +112,11 @@ class Engine:
         self._snapshot = EngineStats()
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, config: EngineConfig) -> Engine:
+    def from_loaded(
+        cls, loaded: LoadedModel, config: EngineConfig, grammars: GrammarCompiler | None = None
+    ) -> Engine:
+        """An engine over a loaded model; ``grammars`` shares a grammar
+        binding (and its compiled grammars) another engine of the model built."""
         tokenizer_name = getattr(loaded.tokenizer, "name_or_path", "") or loaded.name
         return cls(
             loaded.model,
@@ -122,6 +126,7 @@ class Engine:
             eos_token_ids=loaded.eos_token_ids,
             model_name=loaded.name,
             tokenizer_name=str(tokenizer_name),
+            grammars=grammars,
         )
 
     # -- public API ---------------------------------------------------------
