@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 
@@ -110,3 +111,16 @@ def test_live_mode_reads_stats_off_the_engine_thread_and_survives_an_interrupt()
         raise KeyboardInterrupt
     text = console.export_text()
     assert "1/2 requests" in text and "MTP draft 2" in text  # the last frame stays
+
+
+def test_forced_drafts_are_a_source_of_their_own_once_a_grammar_ran() -> None:
+    assert "grammar: forced" not in recorded(final_view(STATS))
+    constrained = dataclasses.replace(
+        STATS, grammar_requests=2, forced_proposed=40, forced_accepted=40
+    )
+    rows = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+        for line in recorded(final_view(constrained)).splitlines()
+        if line.count("│") > 2
+    }
+    assert rows["grammar: forced"] == ["", "40", "40", "100.0%"]
