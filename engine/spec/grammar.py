@@ -28,11 +28,12 @@ import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
-
-import llguidance
+from typing import TYPE_CHECKING, Any
 
 from metrale.engine.api import Grammar
+
+if TYPE_CHECKING:
+    import llguidance
 
 # Distinct grammars kept compiled per model; the oldest unused one goes first.
 CACHE_SIZE = 256
@@ -57,6 +58,8 @@ def choice_grammar(choices: Sequence[str]) -> Grammar:
 def grammar_text(grammar: Grammar) -> str:
     """llguidance's grammar text for ``grammar``; raises ``GrammarError`` when
     the source is not even well-formed (a schema that is not JSON)."""
+    import llguidance  # here, not at the top: only lines with a grammar pay for it
+
     try:
         if grammar.kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(
@@ -80,6 +83,8 @@ def grammar_problem(grammar: Grammar) -> str | None:
         choices = json.loads(grammar.source)
         if not choices or not all(isinstance(c, str) and c for c in choices):
             return "must be a non-empty list of non-empty strings"
+    import llguidance
+
     try:
         message = llguidance.LLMatcher.validate_grammar(grammar_text(grammar))
     except GrammarError as exc:
@@ -106,6 +111,7 @@ class GrammarCompiler:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None or not hasattr(backend, "to_str"):
             raise GrammarError("the tokenizer cannot drive a grammar: it has no tokenizer.json")
+        import llguidance
         from tokenizers import Tokenizer
 
         plain = Tokenizer.from_str(backend.to_str())  # a copy: padding and truncation off
@@ -145,6 +151,8 @@ class GrammarCompiler:
         if template is not None:
             self._compiled.move_to_end(grammar)
             return template
+        import llguidance
+
         template = llguidance.LLMatcher(self.binding, grammar_text(grammar), log_level=0)
         if template.is_error():
             raise GrammarError(template.get_error())
