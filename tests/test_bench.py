@@ -7,12 +7,10 @@ checkpoint, decode the same prompt ids, and the bench compares outputs.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from metrale.cli.main import app
@@ -23,6 +21,8 @@ from metrale.engine.bench.sweep import parse_sweep
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.load.loader import load_model
 from tests.checkpoints import write_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CONFIG_KEYS = {
     "hf-greedy-b1",
@@ -36,16 +36,6 @@ LINES = [
     {"id": "b", "messages": [{"role": "user", "content": "xyzw xyzw xyzw xyzw xyzw xyzw"}]},
     {"id": "c", "prompt": "one two three one two three one two three"},
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls gain nothing from threads, and on a busy machine an
-    OpenMP barrier waiting for a descheduled thread costs milliseconds."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,10 @@ lets a random model write; the masks are llguidance's own.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jsonschema
 import pytest
-import torch
 
 from metrale.engine.api import Grammar, Request, Result, SamplingParams
 from metrale.engine.config import EngineConfig
@@ -24,6 +23,8 @@ from metrale.engine.spec.grammar import choice_grammar, json_schema_grammar
 from metrale.lookup import PromptLookupConfig
 from tests.fake_model import FakeModel, FakeMtp
 from tests.grammar_fakes import JSON_TEXTS, Vocabulary
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = Vocabulary(JSON_TEXTS)
 LOOKUP = PromptLookupConfig(ngram=2, min_match=2, max_drafts=8)
@@ -53,14 +54,6 @@ PROMPTS = [
     VOCAB.encode("1"),
     VOCAB.encode('{"ab":true,"c":[2,2,2],"b":"ab","a":{}}' * 2),
 ]
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def engine(

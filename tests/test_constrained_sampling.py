@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -37,6 +36,8 @@ from tests.fake_model import FakeModel, FakeMtp
 from tests.grammar_fakes import Vocabulary
 from tests.test_sampling_parity import chi_square, critical_value
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 EOS, A, B, C = 0, 1, 2, 3
 VOCAB = Vocabulary(("", "a", "b", "c"))
 FORCED_B = Grammar("regex", "(ab|c|b)+")
@@ -47,14 +48,6 @@ PROMPT = (A, B, C, A, B, C, C, A, B)  # repeats itself: copies are on offer
 PARAMS = SamplingParams(max_tokens=LENGTH, temperature=1.0, top_p=0.95)
 
 Outcome = tuple[int, ...]
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def allowed(grammar: Grammar, output: Outcome) -> set[int]:

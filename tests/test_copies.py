@@ -3,10 +3,9 @@ on a fake model."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
-import torch
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, SharedLookupSettings
@@ -24,19 +23,12 @@ from metrale.engine.spec.copies import (
 from metrale.lookup import CopyCounts, Fallback, LookupStats, PromptLookupConfig, PromptLookupSeq
 from tests.fake_model import FakeModel, FakeMtp, reference_greedy
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # A history that repeats itself: its last 8 tokens occurred before, followed
 # by 8 more, so a copy of up to 8 tokens is on offer.
 REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0] * 2 + [1, 2, 3, 4, 5, 6, 7, 8]
 LOOKUP = PromptLookupConfig(ngram=4, max_drafts=16, max_seqs=8, min_match=8, miss_backoff=16)
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny tensors on a shared 2-core machine: a second intra-op thread only waits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def decoding_seq(history: Sequence[int], max_tokens: int = 100, max_len: int = 200) -> SeqState:

@@ -19,6 +19,8 @@ from metrale.lookup import PromptLookupConfig
 from tests.checkpoints import load_reference_model, write_tiny_checkpoint
 from tests.fake_model import FakeModel, FakeMtp, byte_decode, reference_greedy
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # Mixed lengths; some repeat themselves so prompt lookup finds copies.
 PROMPTS = [
     [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3],
@@ -31,16 +33,6 @@ PROMPTS = [
     [2, 13, 0, 7, 7, 1, 2, 13, 0, 7, 7, 1, 2, 13],
 ]
 LOOKUP = PromptLookupConfig(ngram=2, min_match=3, max_drafts=8)
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Small forwards on a shared 2-core machine: a second intra-op thread only
-    # waits for a busy core (tiny checkpoints ran 17x slower with two).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 MODES = {

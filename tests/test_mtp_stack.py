@@ -8,10 +8,9 @@ output there (the context up to token ``p+k``) and token ``p+1+k``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
-import torch
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, MtpLadder
@@ -31,17 +30,11 @@ from tests.test_sampling_parity import (
 )
 from tests.test_sampling_parity import model as parity_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # Mixed lengths (one token, one shorter than the stack), some repeating
 # themselves so that copies are accepted and feeds of several rows follow.
 PROMPTS = [ENGINE_PROMPTS[i] for i in (0, 1, 4, 2, 7)]
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run(

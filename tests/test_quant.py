@@ -34,12 +34,9 @@ from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.model import Segment
 from metrale.engine.runtime.weights import WeightStore
 from tests.checkpoints import EOS_ID, TINY_VOCAB, _save_weights, write_byte_tokenizer
-from tests.test_engine import (
-    CHECKPOINT_PROMPTS,
-    one_thread,  # noqa: F401  (autouse: tiny forwards on one thread)
-    outputs,
-    requests,
-)
+from tests.test_engine import CHECKPOINT_PROMPTS, outputs, requests
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 PLAIN_MODULE = "model.layers.1.mlp.down_proj"  # listed as not converted: stays float32

@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,20 +27,13 @@ from metrale.engine.stats import EngineStats
 from metrale.lookup import PromptLookupConfig
 from tests.fake_model import FakeModel, FakeMtp
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 3
 LENGTH = 4
 TRIALS = 2000
 PROMPT = (0, 1, 2, 0, 1, 2, 0, 1)  # repeats itself: copies are on offer
 PARAMS = SamplingParams(max_tokens=LENGTH, temperature=0.8, top_p=0.95)
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Thousands of tiny tensor ops: intra-op threads only add wake-up latency.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def model() -> FakeModel:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
 import pytest
-import torch
 
 from metrale.engine.api import Grammar, Request, Result, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
@@ -26,6 +24,8 @@ from metrale.engine.prompts import chat_prompt_ids
 from metrale.engine.spec import grammar as grammar_module
 from metrale.engine.spec.grammar import choice_grammar, json_schema_grammar
 from tests.checkpoints import write_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SCHEMAS: dict[str, dict[str, object]] = {
     "nested": {
@@ -108,14 +108,6 @@ QUESTIONS = {
     "regex": "When was the Berlin Wall opened? Answer as YYYY-MM-DD.",
     "choice": "Is 'I loved every minute of it' positive, negative or neutral?",
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def valid(name: str, text: str) -> bool:

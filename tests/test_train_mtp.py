@@ -3,7 +3,6 @@ and of the head shipped for the default model."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,16 +34,9 @@ from metrale.engine.train.trainer import (
 )
 from tests.checkpoints import write_tiny_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 MAX_LEN = 96
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is faster, and steadier on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -11,14 +9,7 @@ from metrale.engine.api import SamplingParams
 from metrale.engine.sampling import make_generator, target_probs
 from metrale.engine.spec.acceptance import accept_greedy, accept_sampled
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny tensors on a shared 2-core machine: a second intra-op thread only waits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_greedy_keeps_longest_agreeing_prefix_and_adds_model_token() -> None:
