@@ -186,3 +186,30 @@ def test_info_shows_attention_experts_and_the_kv_bytes_the_cache_stores(tmp_path
     result = CliRunner().invoke(app, ["info", str(glm)])
     assert result.exit_code == 0, result.output
     assert "GQA, 4 query / 2 kv heads of 16, 50% rotary" in " ".join(result.output.split())
+
+
+def test_a_bfloat16_moe_checkpoint_runs_its_experts_packed_and_as_its_dense_twin(
+    tmp_path: Path,
+) -> None:
+    """On the CPU in float32, a bfloat16 checkpoint's expert weights run in the
+    packed-weight kernel (widening bfloat16 is exact), with the logits of the
+    same weights held dense."""
+    from safetensors.torch import load_file, save_file
+
+    from metrale.engine.runtime.packed import PackedWeight
+
+    path = write_moe_checkpoint(tmp_path / "bf16", "qwen3_moe")
+    weights = {
+        k: v.to(torch.bfloat16) for k, v in load_file(str(path / "model.safetensors")).items()
+    }
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    packed = load_model(path, RuntimeConfig(device="cpu", dtype="float32", num_slots=2))
+    dense = load_model(
+        path, RuntimeConfig(device="cpu", dtype="float32", num_slots=2, weights="dense")
+    )
+    block = packed.model.stack.blocks[0]  # type: ignore[attr-defined]
+    assert block.moe is not None and isinstance(block.moe.experts[0].gate_up, PackedWeight)
+    ids = random_ids(1, 20, seed=4)[0].tolist()
+    ours = packed.model.forward([Segment(0, 0, ids)]).logits
+    theirs = dense.model.forward([Segment(0, 0, ids)]).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
