@@ -14,6 +14,7 @@ import torch
 from metrale.engine.config import RuntimeConfig
 from metrale.engine.load import default_model
 from metrale.engine.load.default_model import DefaultModelError, ensure_default_model
+from metrale.engine.load.gguf_convert import unpermute
 from metrale.engine.load.loader import LoadedModel, load_model
 from metrale.engine.prompts import user_prompt_ids
 from metrale.engine.runtime.model import Segment
@@ -31,7 +32,7 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
     heads, head_dim, cols = 3, 8, 5
     weight = np.arange(heads * head_dim * cols, dtype=np.float32).reshape(heads * head_dim, cols)
     permuted = weight.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(weight.shape)
-    assert np.array_equal(default_model._unpermute(permuted, heads), weight)
+    assert np.array_equal(unpermute(permuted, heads), weight)
 
 
 def test_missing_package_says_how_to_install(

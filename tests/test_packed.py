@@ -16,7 +16,7 @@ from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine
 from metrale.engine.kernels.binding import PackedKernel, packed_kernel
-from metrale.engine.load.default_model import _packed_blocks
+from metrale.engine.load.gguf_convert import packed_blocks
 from metrale.engine.load.loader import load_model
 from metrale.engine.runtime.packed import PACKED_FILE, PackedStore, PackedWeight, save_packed
 from metrale.lookup import PromptLookupConfig
@@ -56,7 +56,7 @@ def test_gguf_blocks_decode_to_what_gguf_dequantizes(kernel: PackedKernel, gguf_
     data, scales, _ = quantize(random_weight(24, 128, seed=2), gguf_type.lower())
     raw = gguf_blocks(data, scales, gguf_type.lower())
     tensor = SimpleNamespace(tensor_type=GGMLQuantizationType[gguf_type], data=raw)
-    found = _packed_blocks(tensor)
+    found = packed_blocks(tensor)
     assert found is not None
     fmt, block_data, block_scales = found
     weight = PackedWeight.from_rows(

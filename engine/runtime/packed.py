@@ -176,10 +176,6 @@ def _dense_size(folder: Path) -> str:
     return str(dense.stat().st_size) if dense.exists() else "none"
 
 
-# (fmt, data [n, row_bytes] uint8, scales [n, row_scales] float32): from_rows' input
-PackedRows = tuple[str, torch.Tensor, torch.Tensor]
-
-
 class PackedSource(Protocol):
     """Where the runtime asks for a linear weight in packed form first."""
 
@@ -209,16 +205,12 @@ class PackedStore:
         return cls(file, formats, kernel)
 
     def get(self, name: str) -> PackedWeight | None:
-        rows = self.get_rows(name)
-        return PackedWeight.from_rows(*rows, self.kernel) if rows is not None else None
-
-    def get_rows(self, name: str) -> PackedRows | None:
         if name not in self.formats:
             return None
         with safe_open(str(self.file), framework="pt") as handle:
             data = handle.get_tensor(f"{name}.data")
             scales = handle.get_tensor(f"{name}.scales")
-        return self.formats[name], data, scales
+        return PackedWeight.from_rows(self.formats[name], data, scales, self.kernel)
 
 
 class Bf16Source:
@@ -229,10 +221,6 @@ class Bf16Source:
         self.kernel = kernel
 
     def get(self, name: str) -> PackedWeight | None:
-        rows = self.get_rows(name)
-        return PackedWeight.from_rows(*rows, self.kernel) if rows is not None else None
-
-    def get_rows(self, name: str) -> PackedRows | None:
         # The header first: a weight stored otherwise (FP8, float32) is not read twice.
         if name not in self.store or self.store.dtype(name) != "BF16":
             return None
@@ -241,7 +229,8 @@ class Bf16Source:
             return None
         rows = value.shape[0]
         data = value.contiguous().view(torch.uint8).reshape(rows, -1)  # [n, 2 * k]
-        return "bf16", data, torch.zeros(rows, 0, dtype=torch.float32)
+        no_scales = torch.zeros(rows, 0, dtype=torch.float32)
+        return PackedWeight.from_rows("bf16", data, no_scales, self.kernel)
 
 
 def save_packed(weights: dict[str, tuple[str, torch.Tensor, torch.Tensor]], file: Path) -> None:
