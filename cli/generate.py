@@ -26,6 +26,8 @@ from metrale.cli.options import (
     SAMPLING,
     SPECULATION,
     DeviceOpt,
+    DraftPolicy,
+    DraftPolicyOpt,
     DtypeOpt,
     MaxTokensOpt,
     ModelOpt,
@@ -147,6 +149,7 @@ def generate(
             panel=SPECULATION,
         ),
     ] = True,
+    draft_policy: DraftPolicyOpt = DraftPolicy.fixed,
     max_batch: Annotated[
         int, option("--max-batch", "Sequences decoded together.", panel=RUNTIME)
     ] = 16,
@@ -212,6 +215,7 @@ def generate(
             else None,
             shared_lookup=SharedLookupSettings(cache_mb=pl_shared_mb, scopes=pl_shared_scopes),
             forced_drafts=forced_drafts,
+            draft_policy=draft_policy.value,
         )
         runtime = RuntimeConfig(
             device=device,

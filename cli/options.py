@@ -206,6 +206,27 @@ MtpMinProbOpt = Annotated[
         panel=SPECULATION,
     ),
 ]
+
+
+class DraftPolicy(enum.StrEnum):
+    """``auto``: each step sizes every sequence's drafts, and picks their
+    source, by the verify cost measured on this machine and the acceptance
+    seen so far (``engine/spec/budget.py``); ``fixed``: the MTP ladder and
+    the copy windows decide, as before the budget existed."""
+
+    auto = "auto"
+    fixed = "fixed"
+
+
+DraftPolicyOpt = Annotated[
+    DraftPolicy,
+    option(
+        "--draft-policy",
+        "auto: size drafts each step by measured cost and acceptance; "
+        "fixed: the ladder and copy windows as set.",
+        panel=SPECULATION,
+    ),
+]
 PromptLookupMaxDraftsOpt = Annotated[
     int, option("--prompt-lookup-max-drafts", "Longest copy.", panel=SPECULATION)
 ]
@@ -259,6 +280,7 @@ FIELD_FLAGS: dict[str, str] = {
     "weights": "--weights",
     "mtp_ladder": "--mtp-drafts",
     "mtp_min_prob": "--mtp-min-prob",
+    "draft_policy": "--draft-policy",
     "ngram": "--prompt-lookup-ngram",
     "max_drafts": "--prompt-lookup-max-drafts",
     "max_seqs": "--prompt-lookup-max-seqs",

@@ -96,7 +96,10 @@ class EngineConfig:
     module's own distribution has no token at least this likely (0: the
     ladder's full chain always); see ``mtp_drafter.py``.
     ``forced_drafts``: a constrained request drafts its grammar's forced
-    tokens (``spec/constrained.py``); False decodes them one verify each."""
+    tokens (``spec/constrained.py``); False decodes them one verify each.
+    ``draft_policy``: ``"auto"`` sizes each sequence's drafts every step by
+    the measured verify cost and live acceptance (``spec/budget.py``);
+    ``"fixed"`` keeps the ladder and the copy windows' own lengths."""
 
     max_batch: int = 16
     prefill_chunk: int = 512
@@ -106,8 +109,11 @@ class EngineConfig:
     prompt_lookup: PromptLookupConfig | None = field(default_factory=PromptLookupConfig)
     shared_lookup: SharedLookupSettings = field(default_factory=SharedLookupSettings)
     forced_drafts: bool = True
+    draft_policy: str = "fixed"
 
     def __post_init__(self) -> None:
+        if self.draft_policy not in ("auto", "fixed"):
+            raise ValueError(f"draft_policy must be auto or fixed, got {self.draft_policy!r}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.prefill_chunk < 1:
