@@ -30,6 +30,7 @@ from metrale.engine.config import RuntimeConfig
 from metrale.engine.kernels.binding import PackedKernel, kernel_problem, packed_kernel
 from metrale.engine.load.checkpoint import Checkpoint, read_checkpoint
 from metrale.engine.load.fast_tokenizer import read_tokenizer
+from metrale.engine.load.heap import release_free_heap
 from metrale.engine.load.source import HEADS_DIR as HEADS_DIR  # where tests find the heads
 from metrale.engine.load.source import resolve_source
 from metrale.engine.runtime.arch import ArchSpec, CheckpointError
@@ -84,7 +85,12 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
     started = time.perf_counter()
     resolved = resolve_source(source, runtime.revision)
     folder, name, shipped = resolved.folder, resolved.name, resolved.shipped_head
-    checkpoint = read_checkpoint(folder)
+    checkpoint = read_checkpoint(folder)  # no weight read yet: refuses a bad folder first
+    # The tokenizer before the weights, and the heap trimmed after each phase:
+    # what parsing tokenizer.json and tiling weights free is then never
+    # resident on top of the weights (heap.py).
+    tokenizer = _tokenizer(folder)
+    release_free_heap()
     device = pick_device(runtime.device)
     dtype = pick_dtype(runtime.dtype, device)
     found = detect_mtp(
@@ -107,8 +113,9 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
         device=device,
         packed=packed,
     )
+    release_free_heap()
     mtp = _load_mtp(model, checkpoint, found, head, kernel)
-    tokenizer = _tokenizer(folder)
+    release_free_heap()
     info = ModelInfo(
         name=name,
         source=resolved.origin,
