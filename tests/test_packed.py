@@ -242,3 +242,42 @@ def test_a_bfloat16_embedding_decodes_its_rows_bit_for_bit(kernel: PackedKernel)
     weight = PackedWeight.from_rows("bf16", data, torch.zeros(40, 0), kernel)
     ids = torch.tensor([3, 39, 0])
     assert torch.equal(Embedding(packed=weight)(ids), table.float()[ids])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_tiled_in_chunks_give_the_tiles_of_all_rows_at_once(
+    kernel: PackedKernel, fmt: str
+) -> None:
+    weight, _ = packed(kernel, random_weight(200, 64, seed=14), fmt)
+    data, scales = weight.row_blocks()
+    whole = PackedWeight.from_rows(fmt, data, scales, kernel)
+    chunks = ((data[i : i + 128], scales[i : i + 128]) for i in range(0, 200, 128))
+    chunked = PackedWeight.from_row_chunks(fmt, 200, chunks, kernel)  # 128 rows, then 72
+    assert chunked.shape == whole.shape
+    assert torch.equal(chunked.tiles, whole.tiles)
+    assert torch.equal(chunked.tile_scales, whole.tile_scales)
+
+
+def test_chunks_that_split_a_group_or_miss_rows_are_refused(kernel: PackedKernel) -> None:
+    weight, _ = packed(kernel, random_weight(200, 64, seed=15), "q8_0")
+    data, scales = weight.row_blocks()
+    with pytest.raises(ValueError, match="inside a group"):
+        split = ((data[i : i + 100], scales[i : i + 100]) for i in range(0, 200, 100))
+        PackedWeight.from_row_chunks("q8_0", 200, split, kernel)
+    with pytest.raises(ValueError, match="held 128 rows, not 200"):
+        PackedWeight.from_row_chunks("q8_0", 200, [(data[:128], scales[:128])], kernel)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_packed_rows_of_an_embedding_over_several_chunks_decode_to_those_rows(
+    kernel: PackedKernel, fmt: str
+) -> None:
+    from metrale.engine.runtime import embedding as module
+
+    weight, dense = packed(kernel, random_weight(3000, 64, seed=16), fmt)
+    index = torch.randperm(3000, generator=torch.Generator().manual_seed(17))[:1500]
+    index = index.sort().values  # a draft vocabulary: sorted ids, 1500 > _CHUNK_ROWS
+    assert len(index) > module._CHUNK_ROWS
+    rows = module.Embedding(packed=weight).packed_rows(index)
+    assert torch.equal(rows.dense(), dense[index])
+    assert torch.equal(rows.tiles, weight.rows(index).tiles)

@@ -17,6 +17,9 @@ import torch.nn.functional as F
 
 from metrale.engine.runtime.packed import BLOCK, GROUP, LAYOUT, STRIP, PackedWeight
 
+# Rows ``packed_rows`` gathers at a time: 16 groups of 64.
+_CHUNK_ROWS = 16 * GROUP * STRIP
+
 
 class Embedding:
     """``table`` ``[vocab, hidden]`` when dense; ``packed`` when the rows are."""
@@ -44,10 +47,17 @@ class Embedding:
 
     def packed_rows(self, index: torch.Tensor) -> PackedWeight:
         """Rows ``index`` of a packed table as a packed weight (an MTP head's
-        draft vocabulary of a tied LM head)."""
-        assert self.packed is not None
-        data, scales = tiled_rows(self.packed, index.cpu())
-        return PackedWeight.from_rows(self.packed.fmt, data, scales, self.packed.kernel)
+        draft vocabulary of a tied LM head), gathered and tiled
+        ``_CHUNK_ROWS`` at a time: the whole gather beside its tiles would
+        add their size again to a one-line job's peak memory."""
+        packed = self.packed
+        assert packed is not None
+        ids = index.cpu()
+        chunks = (
+            tiled_rows(packed, ids[start : start + _CHUNK_ROWS])
+            for start in range(0, len(ids), _CHUNK_ROWS)
+        )
+        return PackedWeight.from_row_chunks(packed.fmt, len(ids), chunks, packed.kernel)
 
     def matrix(self) -> torch.Tensor:
         """The whole table ``[vocab, hidden]`` (training reads it; decoding never does)."""

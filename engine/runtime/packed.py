@@ -24,6 +24,7 @@ tile stays in the core's cache (the README gives the measured ratios).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -88,6 +89,36 @@ class PackedWeight:
         tiles = _to_tiles(values.reshape(rows, k // BLOCK, per_block))
         tile_scales = _to_tiles(scales.reshape(rows, k // BLOCK, num_scales))
         return PackedWeight(fmt, tiles.view(torch.uint8), tile_scales, (rows, k), kernel)
+
+    @staticmethod
+    def from_row_chunks(
+        fmt: str,
+        num_rows: int,
+        chunks: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        kernel: PackedKernel,
+    ) -> PackedWeight:
+        """``from_rows`` of the rows the ``(data, scales)`` chunks give in turn
+        (each but the last a multiple of 64 rows), tiled as they come: only one
+        chunk is ever held row-major beside the tiles, never all the rows.
+        The tiles are ``from_rows``' own, since a group's tiles depend on its
+        64 rows alone."""
+        groups = -(-num_rows // (GROUP * STRIP))
+        tiles = tile_scales = None
+        at = rows = cols = 0
+        for data, scales in chunks:
+            part = PackedWeight.from_rows(fmt, data, scales, kernel)
+            if tiles is None or tile_scales is None:
+                tiles = part.tiles.new_empty(groups, part.tiles.shape[1])
+                tile_scales = part.tile_scales.new_empty(groups, part.tile_scales.shape[1])
+            if rows % (GROUP * STRIP):
+                raise ValueError("only the last chunk may end inside a group of 64 rows")
+            span = part.tiles.shape[0]
+            tiles[at : at + span].copy_(part.tiles)
+            tile_scales[at : at + span].copy_(part.tile_scales)
+            at, rows, cols = at + span, rows + part.shape[0], part.shape[1]
+        if tiles is None or tile_scales is None or rows != num_rows:
+            raise ValueError(f"the chunks held {rows} rows, not {num_rows}")
+        return PackedWeight(fmt, tiles, tile_scales, (num_rows, cols), kernel)
 
     def row_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(data, scales)`` in the row-major layout ``from_rows`` takes."""
