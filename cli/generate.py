@@ -41,12 +41,15 @@ from metrale.cli.options import (
     PromptLookupMaxSeqsOpt,
     PromptLookupMinMatchOpt,
     PromptLookupNgramOpt,
+    RayOpt,
+    RayWorkersOpt,
     RevisionOpt,
     WeightsOpt,
     config_error,
     load_error,
     option,
 )
+from metrale.cli.ray_backend import RaySettings, open_ray_backend, ray_problem
 from metrale.cli.records import done_ids
 from metrale.cli.run import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Backend, RunPlan, run
 from metrale.engine.api import Grammar, SamplingParams
@@ -195,9 +198,12 @@ def generate(
         Progress,
         option("--progress", "Live view (terminal), summary lines, or just the final table."),
     ] = Progress.auto,
+    ray: RayOpt = None,
+    ray_workers: RayWorkersOpt = None,
 ) -> None:
     """Generate completions for JSONL prompts (simple or OpenAI Batch format)."""
     sources, out_path = _io_paths(inputs, output, resume)
+    cluster = _ray_settings(ray, ray_workers)
     try:
         engine_cfg = EngineConfig(
             max_batch=max_batch,
@@ -234,7 +240,7 @@ def generate(
         raise config_error(exc) from exc
     grammar = _schema_file(json_schema)
     console = Console(stderr=True)
-    backend = _load(console, model, runtime, engine_cfg)
+    backend = _load(console, model, runtime, engine_cfg, cluster)
     plan = RunPlan(
         inputs=sources,
         output=out_path,
@@ -249,6 +255,7 @@ def generate(
             "engine": dataclasses.asdict(engine_cfg),
             "runtime": dataclasses.asdict(runtime),
             "sampling": dataclasses.asdict(params),
+            "ray": None if cluster is None else dataclasses.asdict(cluster),
         },
     )
     raise typer.Exit(_run_into(plan, backend, console, append=resume))
@@ -280,11 +287,32 @@ def _io_paths(
     return sources, out_path
 
 
+def _ray_settings(address: str | None, workers: int | None) -> RaySettings | None:
+    """``--ray``/``--ray-workers``, checked (Ray installed) before anything loads."""
+    if address is None:
+        if workers is not None:
+            raise typer.BadParameter("needs --ray ADDRESS|local", param_hint="--ray-workers")
+        return None
+    problem = ray_problem()
+    if problem is not None:
+        raise typer.BadParameter(problem, param_hint="--ray")
+    try:
+        return RaySettings(address, workers)
+    except ValueError as exc:
+        raise config_error(exc) from exc
+
+
 def _load(
-    console: Console, model: str | None, runtime: RuntimeConfig, engine: EngineConfig
+    console: Console,
+    model: str | None,
+    runtime: RuntimeConfig,
+    engine: EngineConfig,
+    cluster: RaySettings | None = None,
 ) -> Backend:
     try:
         console.print(f"metrale: loading {model or 'the embedded default model'}...")
+        if cluster is not None:
+            return open_ray_backend(cluster, model, runtime, engine)
         return open_backend(model, runtime, engine)
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None

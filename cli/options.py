@@ -32,6 +32,7 @@ ENV_PREFIX = "METRALE_"
 SPECULATION = "Speculation: MTP drafts and prompt-lookup copies"
 SAMPLING = "Sampling (lines may override)"
 RUNTIME = "Model and runtime"
+CLUSTER = "Ray cluster (pip install 'metrale[ray]')"
 MTP_DRAFTS = MtpLadder().text()  # the default of --mtp-drafts: "8:3,15:2,1"
 
 Number = TypeVar("Number", int, float)
@@ -83,6 +84,8 @@ RANGES: dict[str, Range] = {
     "--max-steps": Range(1),
     "--draft-vocab": Range(0),
     "--gen-batch": Range(1, 4096),
+    # generate on a Ray cluster
+    "--ray-workers": Range(1, 1 << 16),
 }
 
 
@@ -227,6 +230,23 @@ DraftPolicyOpt = Annotated[
         panel=SPECULATION,
     ),
 ]
+RayOpt = Annotated[
+    str | None,
+    option(
+        "--ray",
+        "Run the engines on a Ray cluster: its ADDRESS (auto, host:6379, ray://host:10001) "
+        "or 'local' (a Ray on this machine).",
+        panel=CLUSTER,
+    ),
+]
+RayWorkersOpt = Annotated[
+    int | None,
+    option(
+        "--ray-workers",
+        "Engines to start on the cluster (default: one per GPU, else one).",
+        panel=CLUSTER,
+    ),
+]
 PromptLookupMaxDraftsOpt = Annotated[
     int, option("--prompt-lookup-max-drafts", "Longest copy.", panel=SPECULATION)
 ]
@@ -293,6 +313,8 @@ FIELD_FLAGS: dict[str, str] = {
     "top_p": "--top-p",
     "top_k": "--top-k",
     "seed": "--seed",
+    "ray": "--ray",
+    "ray_workers": "--ray-workers",
 }
 # "max_batch must be at least 1" or "mtp_ladder: empty ladder"
 _FIELD_MESSAGE = re.compile(r"([a-z][a-z0-9_]*)(?:: | (?=must ))(.+)", re.DOTALL)
