@@ -109,7 +109,7 @@ class EngineConfig:
     prompt_lookup: PromptLookupConfig | None = field(default_factory=PromptLookupConfig)
     shared_lookup: SharedLookupSettings = field(default_factory=SharedLookupSettings)
     forced_drafts: bool = True
-    draft_policy: str = "fixed"
+    draft_policy: str = "auto"
 
     def __post_init__(self) -> None:
         if self.draft_policy not in ("auto", "fixed"):

@@ -26,16 +26,20 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from metrale.engine.api import Grammar, Request, Result
 from metrale.engine.config import EngineConfig
+from metrale.engine.load.home import metrale_home
 from metrale.engine.runtime.model import Model, MtpModule, Segment
 from metrale.engine.sampling import draw, make_generator, target_probs
 from metrale.engine.sequence import Decode, SeqState, error_result
 from metrale.engine.spec.acceptance import accept_greedy, accept_sampled
+from metrale.engine.spec.budget import DraftBudget
+from metrale.engine.spec.choose import Offer, score_offers, take_planned_drafts
 from metrale.engine.spec.constrained import (
     accept_constrained,
     check_drafts,
@@ -43,11 +47,13 @@ from metrale.engine.spec.constrained import (
     take_forced,
 )
 from metrale.engine.spec.copies import (
+    CopyTaken,
     copy_in_flight,
     drafter_accepted,
     settle_copies,
     take_rounds_with_copies,
 )
+from metrale.engine.spec.cost import CostCache, CostModel
 from metrale.engine.spec.grammar import GrammarCompiler, GrammarError
 from metrale.engine.spec.matcher import GrammarMatcher
 from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
@@ -77,6 +83,7 @@ class Engine:
         tokenizer_name: str = "",
         adapter: str = "",
         grammars: GrammarCompiler | None = None,
+        costs: CostModel | None = None,
     ) -> None:
         """``tokenizer`` turns output ids into text and matches stop strings:
         an object with ``decode(ids)``, a ``decode`` callable, or None (texts
@@ -84,14 +91,22 @@ class Engine:
         grammar engine, once, when the first request with a grammar comes
         (``grammars`` brings a binding instead). ``model_name``/
         ``tokenizer_name``/``adapter`` are the shared-lookup scope fields a
-        request's ``scope`` completes."""
+        request's ``scope`` completes. ``costs`` measures steps for the draft
+        budget (``draft_policy="auto"``); by default one on the wall clock,
+        without a calibration cache."""
         self.model = model
         self.config = config
         self._decode = _as_decode(tokenizer)
         self._tokenizer = tokenizer
         self._grammars = grammars
         self._grammars_problem: str | None = None
-        self._drafter = MtpDrafter(mtp, config.mtp_min_prob) if mtp and config.mtp else None
+        auto = config.draft_policy == "auto"
+        self._budget = DraftBudget(costs or CostModel()) if auto else None
+        self._drafter = (
+            MtpDrafter(mtp, config.mtp_min_prob, self._budget) if mtp and config.mtp else None
+        )
+        # Under the budget a chain may be as long as the ladder's longest.
+        self._chain_cap = max([config.mtp_ladder.beyond, *(d for _, d in config.mtp_ladder.steps)])
         self._eos = frozenset(eos_token_ids)
         self._scope_fields = (model_name, tokenizer_name, adapter)
         shared = config.shared_lookup_config()
@@ -110,6 +125,8 @@ class Engine:
         self._started = time.perf_counter()
         self._generating = False
         self._snapshot = EngineStats()
+        self._offers: list[Offer] = []
+        self._spent = _StepTimes()
 
     @classmethod
     def from_loaded(
@@ -118,6 +135,9 @@ class Engine:
         """An engine over a loaded model; ``grammars`` shares a grammar
         binding (and its compiled grammars) another engine of the model built."""
         tokenizer_name = getattr(loaded.tokenizer, "name_or_path", "") or loaded.name
+        costs = None
+        if config.draft_policy == "auto":
+            costs = CostModel(cache=CostCache(metrale_home(), calibration_key(loaded)))
         return cls(
             loaded.model,
             loaded.tokenizer,
@@ -127,6 +147,7 @@ class Engine:
             model_name=loaded.name,
             tokenizer_name=str(tokenizer_name),
             grammars=grammars,
+            costs=costs,
         )
 
     # -- public API ---------------------------------------------------------
@@ -149,11 +170,14 @@ class Engine:
         yield ``None`` when none is ready, so running sequences never wait
         for input."""
         stream = iter(requests)
+        self.calibrate()
         self._started, self._generating = time.perf_counter(), True
         try:
             yield from self._run(stream)
         finally:
             self._generating = False
+            if self._budget is not None:
+                self._budget.costs.save()
             self._publish()
 
     def _run(self, stream: Iterator[Request | None]) -> Iterator[Result]:
@@ -190,21 +214,17 @@ class Engine:
     # -- the step -----------------------------------------------------------
 
     def _step(self) -> list[Result]:
+        spent = self._spent
+        spent.began, spent.prefill_s, spent.verify_s = self._clock(), 0.0, 0.0
         # 1. Admit waiting requests into free slots; prefill one chunk.
         self._admit()
         done = self._prefill_chunk()
         batch = [s for s in self._decoding if not s.finished]
         if batch:
-            ladder_nd = self._ladder_nd(len(batch))
-            for seq in batch:  # the batch may have grown since these were drafted
-                _truncate_drafts(seq, min(ladder_nd, seq.draft_capacity()))
-            # 2. Copies: prompt lookup may replace the drafts of some sequences;
+            # 2. Copies: prompt lookup may replace the drafts of some sequences
+            # (under the budget, the plan picks each one's source and length);
             # under a grammar, forced tokens come first and every draft is checked.
-            self._constrain(batch, lambda seq: take_forced(seq, self.config.forced_drafts))
-            mtp_drafting = self._drafter is not None and ladder_nd > 0
-            took = take_rounds_with_copies(
-                batch, self.config.prompt_lookup, self._shared, ladder_nd, mtp_drafting
-            )
+            took = self._take_drafts(batch)
             self._constrain(batch, check_drafts)
             batch = [s for s in batch if not s.finished]
             # 3. Verify every sequence's [last_token] + drafts in one forward.
@@ -212,13 +232,35 @@ class Engine:
             hidden, first_rows = self._verify(batch) if batch else (None, [])
             # 4. Settle the copies from each sequence's seq_len advance.
             settle_copies(took, self._shared, self._copies)
+            if self._budget is not None:
+                score_offers(self._budget, self._offers, spent.produced)
             # 5. Draft the next chain from the newly verified positions.
             if hidden is not None:
                 self._draft_after_verify(batch, starts, first_rows, hidden)
         # 6. Finish: free slots, store in the shared cache, hand back results.
         results = self._finish(done + [s for s in self._decoding if s.finished])
+        if self._budget is not None and spent.verify_s > 0:
+            measured = self._clock() - spent.began - spent.prefill_s
+            self._budget.end_step(measured, spent.verify_s)
         self._publish()
         return results
+
+    def _take_drafts(self, batch: list[SeqState]) -> list[CopyTaken]:
+        """Phase 2: each sequence's drafts for this verify, and the copies in flight."""
+        budget, forced = self._budget, self.config.forced_drafts
+        cap = self._ladder_nd(len(batch)) if budget is None else self._chain_cap
+        for seq in batch:  # the batch may have grown since these were drafted
+            _truncate_drafts(seq, min(cap, seq.draft_capacity()))
+        self._constrain(batch, lambda seq: take_forced(seq, forced))
+        if budget is not None:
+            took, self._offers = take_planned_drafts(
+                batch, budget, self.config.prompt_lookup, self._shared
+            )
+            return took
+        mtp_drafting = self._drafter is not None and cap > 0
+        return take_rounds_with_copies(
+            batch, self.config.prompt_lookup, self._shared, cap, mtp_drafting
+        )
 
     def _admit(self) -> None:
         while self._free_slots and self._waiting:
@@ -267,6 +309,7 @@ class Engine:
             budget -= take
         if not segments:
             return []
+        began = self._clock()
         out = self.model.forward(segments, logits="last")
         # out.logits: [num_segments, vocab]; out.hidden: [num_tokens, hidden_size]
         self._counters.prefills += 1
@@ -293,6 +336,7 @@ class Engine:
         if self._drafter is not None and feeds:
             index = torch.tensor(rows, dtype=torch.long, device=out.hidden.device)
             self._drafter.feed_and_draft(feeds, out.hidden[index])
+        self._spent.prefill_s = self._clock() - began
         return done
 
     def _verify(self, batch: list[SeqState]) -> tuple[torch.Tensor, list[int]]:
@@ -301,9 +345,15 @@ class Engine:
         their count. Returns the forward's hidden rows and each sequence's
         first row among them."""
         segments = [Segment(s.slot, s.seq_len, [s.last_token, *s.pending_drafts]) for s in batch]
+        began = self._clock()
         out = self.model.forward(segments, logits="all")
         # out.logits: [num_rows, vocab]; out.hidden: [num_rows, hidden_size]
         argmax = out.logits.argmax(dim=-1).tolist()  # [num_rows]
+        spent = self._spent
+        spent.verify_s = self._clock() - began
+        if self._budget is not None:
+            self._budget.costs.verify.observe(len(argmax), spent.verify_s)
+        spent.produced = {}
         counters, first_rows, row = self._counters, [], 0
         counters.verifies += 1
         for seq in batch:
@@ -316,6 +366,7 @@ class Engine:
             except GrammarError as exc:
                 seq.fail(str(exc))
                 continue
+            spent.produced[seq.slot] = [*drafts[len(seq.forced_drafts) : accepted], bonus]
             self._count_drafts(seq, accepted)
             before = len(seq.history)
             seq.emit([*drafts[:accepted], bonus], self._decode)
@@ -391,21 +442,35 @@ class Engine:
         ``0..accepted`` of each sequence: ``h`` of ``last_token`` and of each
         accepted draft, with the token after each) and drafts the next chain.
         The entries the drafts wrote are rewritten whatever was accepted, as
-        if none of them had been (see ``spec/mtp.py`` for why)."""
+        if none of them had been (see ``spec/mtp.py`` for why). Under the
+        budget a sequence whose chain rests holds its rows back, and the head
+        takes them all, in order, the next time it drafts (``spec/budget.py``)."""
         if self._drafter is None:
             return
         running = sum(1 for s in self._decoding if not s.finished)
+        budget = self._budget
         feeds: list[DraftFeed] = []
-        rows: list[int] = []
+        parts: list[torch.Tensor] = []
         for seq, start, first in zip(batch, starts, first_rows, strict=True):
             if seq.finished:
                 continue
             next_ids = seq.history[start + 1 : seq.seq_len + 1]
+            rows = hidden[first : first + seq.seq_len - start]
+            if budget is not None:
+                # A resting chain's rows wait; a drafting one takes them all.
+                own = budget.for_seq(seq)
+                if not budget.wants_chain(seq, running):
+                    own.hold(start, next_ids, rows)
+                    continue
+                start, next_ids, rows = own.release(start, next_ids, rows)
             feeds.append(DraftFeed(seq, start, next_ids, self._chain_len(seq, running)))
-            rows.extend(range(first, first + seq.seq_len - start))
+            parts.append(rows)
         if feeds:
-            index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-            self._drafter.feed_and_draft(feeds, hidden[index])
+            began, forwards = self._clock(), self._drafter.forwards
+            self._drafter.feed_and_draft(feeds, torch.cat(parts))
+            ran = self._drafter.forwards - forwards
+            if self._budget is not None and ran:
+                self._budget.costs.head.observe(len(feeds), (self._clock() - began) / ran)
 
     def _finish(self, finished: list[SeqState]) -> list[Result]:
         results = []
@@ -463,7 +528,36 @@ class Engine:
         return self.config.mtp_ladder.drafts_for(running) if self._drafter is not None else 0
 
     def _chain_len(self, seq: SeqState, running: int) -> int:
-        return min(self._ladder_nd(max(running, 1)), seq.draft_capacity())
+        cap = self._ladder_nd(max(running, 1)) if self._budget is None else self._chain_cap
+        return min(cap, seq.draft_capacity())
+
+    def _clock(self) -> float:
+        return self._budget.costs.clock() if self._budget is not None else time.perf_counter()
+
+    def calibrate(self) -> None:
+        """Warm-starts the draft budget's cost model, once, from its cache or
+        from verifies of 1..64 rows at the start of free slots (a later
+        prefill writes those positions anew); ``generate`` calls it. Only
+        before a run, while no request holds a slot. One sequence's widths fit
+        one slot; wider ones are spread as a batch would be. A no-op under the
+        fixed policy."""
+        if self._budget is None or self._budget.costs.calibrated:
+            return
+        assert not (self._prefilling or self._decoding), "calibrate before a run"
+        costs, slots = self._budget.costs, self._num_slots
+
+        def forward(rows: int) -> None:
+            spread = 1 if rows <= 9 else min(slots, rows)
+            width = -(-rows // spread)
+            segments, left = [], rows
+            for slot in range(spread):
+                take = min(width, left)
+                if take:
+                    segments.append(Segment(slot, 0, [0] * take))
+                left -= take
+            self.model.forward(segments, logits="all").logits.argmax(dim=-1).tolist()
+
+        costs.calibrate(forward, min(4 * slots, self._max_len - 1))
 
     def _sample_one(self, seq: SeqState, logits: torch.Tensor) -> int:  # logits: [vocab]
         if seq.grammar is not None:
@@ -481,7 +575,36 @@ class Engine:
             copies=self._copies,
             windows=[s.prompt_lookup.window for s in running if s.prompt_lookup is not None],
             wall_s=time.perf_counter() - self._started,
+            budget=self._budget.snapshot() if self._budget is not None else None,
         )
+
+
+@dataclass
+class _StepTimes:
+    """What the current step spent (seconds on the budget's clock), and the
+    tokens each slot's verify produced after its forced run."""
+
+    began: float = 0.0
+    prefill_s: float = 0.0
+    verify_s: float = 0.0
+    produced: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+
+
+def calibration_key(loaded: LoadedModel) -> dict[str, str]:
+    """What a calibration is valid for: the model and its weights as loaded,
+    where and in which dtype they run, and on how many threads."""
+    info = loaded.info
+    return {
+        "model": loaded.name,
+        "source": info.source,
+        "weights": info.weights,
+        "parameters": str(info.parameters),
+        "mtp": f"{info.mtp_layout}:{info.mtp_count}:{info.mtp_head}",
+        "device": info.device,
+        "dtype": info.dtype,
+        "threads": str(torch.get_num_threads()),
+        "slots": str(info.num_slots),
+    }
 
 
 def _truncate_drafts(seq: SeqState, keep: int) -> None:

@@ -36,6 +36,32 @@ from metrale.lookup import LookupStats
 
 
 @dataclass(frozen=True)
+class BudgetStats:
+    """What the draft budget (``--draft-policy auto``) chose and believed.
+
+    ``chosen[source][n]``: sequence-steps that verified ``n`` drafts of
+    ``source`` (``"mtp"`` or ``"copy"``); ``no_drafts``: those that verified
+    none beyond a grammar's forced run. ``verify_ms``: the cost model's verify
+    time by row-count bucket; ``head_ms``: one MTP head forward by the
+    sequences it drafts for; ``other_ms``: the rest of a step. ``predicted_ms``
+    and ``measured_ms``: mean step time as planned and as it came out.
+    ``copy_acceptance[j]`` / ``mtp_acceptance[d]``: the run's estimate that
+    copy position ``j + 1`` / chain depth ``d + 1`` is accepted when every
+    draft before it is."""
+
+    steps: int = 0
+    chosen: dict[str, dict[int, int]] = field(default_factory=dict)
+    no_drafts: int = 0
+    verify_ms: dict[int, float] = field(default_factory=dict)
+    head_ms: dict[int, float] = field(default_factory=dict)
+    other_ms: float = 0.0
+    predicted_ms: float = 0.0
+    measured_ms: float = 0.0
+    copy_acceptance: tuple[float, ...] = ()
+    mtp_acceptance: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot; the engine builds a new one when asked and never changes
     one it handed out (its ``prompt_lookup`` is a copy)."""
@@ -61,6 +87,7 @@ class EngineStats:
     grammar_requests: int = 0
     grammar_tokens: int = 0
     grammar_s: float = 0.0
+    budget: BudgetStats | None = None  # None under --draft-policy fixed
 
     @property
     def grammar_us_per_token(self) -> float:
@@ -130,6 +157,7 @@ class RunCounters:
         copies: LookupStats,
         windows: Iterable[int],
         wall_s: float,
+        budget: BudgetStats | None = None,
     ) -> EngineStats:
         return EngineStats(
             requests_total=self.requests_total,
@@ -153,4 +181,5 @@ class RunCounters:
             grammar_requests=self.grammar_requests,
             grammar_tokens=self.grammar_tokens,
             grammar_s=self.grammar_s,
+            budget=budget,
         )

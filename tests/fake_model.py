@@ -23,7 +23,7 @@ others. Both fakes record every forward for trace assertions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -188,3 +188,42 @@ def reference_greedy(
 def byte_decode(ids: Sequence[int]) -> str:
     """A stand-in tokenizer: token ``t`` is the character ``chr(ord('a') + t)``."""
     return "".join(chr(ord("a") + t) for t in ids)
+
+
+@dataclass
+class FakeClock:
+    """A clock that moves only when a costed fake says it spent time."""
+
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class CostedModel(FakeModel):
+    """A ``FakeModel`` whose forward takes ``cost(rows)`` seconds on ``clock``."""
+
+    clock: FakeClock = field(default_factory=FakeClock)
+    cost: Callable[[int], float] = lambda rows: 0.01 * rows
+
+    def forward(self, segments: Sequence[Segment], logits: LogitRows = "all") -> ForwardOutput:
+        self.clock.now += self.cost(sum(len(s.token_ids) for s in segments))
+        return super().forward(segments, logits)
+
+
+@dataclass
+class CostedMtp(FakeMtp):
+    """A ``FakeMtp`` whose forward takes ``cost`` seconds on its model's clock."""
+
+    cost: float = 0.0
+
+    def forward(
+        self,
+        segments: Sequence[Segment],
+        hidden: torch.Tensor,  # [num_tokens, context]
+        logits: LogitRows = "all",
+    ) -> ForwardOutput:
+        assert isinstance(self.model, CostedModel)
+        self.model.clock.now += self.cost
+        return super().forward(segments, hidden, logits)

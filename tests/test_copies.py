@@ -58,6 +58,8 @@ def run(
     max_tokens: int = 40,
 ) -> tuple[list[list[int]], Engine]:
     engine = Engine(model, None, config, mtp=[mtp] if mtp else ())
+    engine.calibrate()
+    model.forwards.clear()  # the draft budget's calibration verifies are no part of the trace
     requests = [
         Request(str(i), tuple(p), SamplingParams(max_tokens=max_tokens))
         for i, p in enumerate(prompts)
@@ -123,9 +125,15 @@ def test_with_nothing_to_match_the_trace_equals_prompt_lookup_off() -> None:
     prompts = [[3, 9, 12, 1], [7, 2, 5, 11, 6]]
     cfg = PromptLookupConfig(min_match=40)
     off_model, on_model = FakeModel(), FakeModel()
-    run(off_model, prompts, EngineConfig(prompt_lookup=None), FakeMtp(off_model, "mixed"), 30)
+    # The fixed rule's trace: under the budget the MTP rows verified follow the costs.
+    fixed = EngineConfig(prompt_lookup=None, draft_policy="fixed")
+    run(off_model, prompts, fixed, FakeMtp(off_model, "mixed"), 30)
     _, engine = run(
-        on_model, prompts, EngineConfig(prompt_lookup=cfg), FakeMtp(on_model, "mixed"), 30
+        on_model,
+        prompts,
+        EngineConfig(prompt_lookup=cfg, draft_policy="fixed"),
+        FakeMtp(on_model, "mixed"),
+        30,
     )
     assert engine.stats().prompt_lookup.total.copies == 0
     assert on_model.forwards == off_model.forwards
@@ -133,14 +141,14 @@ def test_with_nothing_to_match_the_trace_equals_prompt_lookup_off() -> None:
 
 def test_a_lone_sequence_verifies_a_long_copy_in_one_pass() -> None:
     model = FakeModel(counting=True)
-    run(model, [REPEATING], EngineConfig(prompt_lookup=LOOKUP))
+    run(model, [REPEATING], EngineConfig(prompt_lookup=LOOKUP, draft_policy="fixed"))
     assert max(verify_widths(model, len(REPEATING))) == 1 + 16
 
 
 def test_inside_a_batch_a_long_copy_is_cut_to_the_four_row_verify() -> None:
     model = FakeModel(counting=True)
     prompts = [REPEATING, REPEATING[1:]]
-    outputs, engine = run(model, prompts, EngineConfig(prompt_lookup=LOOKUP))
+    outputs, engine = run(model, prompts, EngineConfig(prompt_lookup=LOOKUP, draft_policy="fixed"))
     widths = [len(s.token_ids) for fwd in model.forwards[1:] for s in fwd]
     assert engine.stats().prompt_lookup.total.copies > 0
     assert max(widths) == 1 + BATCHED_COPY_MAX

@@ -163,11 +163,20 @@ def greedy_with_and_without_mtp(path: Path) -> tuple[dict[bool, dict[str, Any]],
     loaded = load_model(path, RuntimeConfig(device="cpu", num_slots=3, max_len=128))
     params = SamplingParams(max_tokens=24, eos_token_ids=(EOS_ID,))
     requests = [Request(str(n), tuple(prompt_of(n)), params) for n in (5, 11, 17)]
-    outputs, stats = {}, []
-    for mtp_on in (True, False):
-        config = EngineConfig(max_batch=3, mtp=mtp_on, mtp_min_prob=0.0, prompt_lookup=None)
+    outputs: dict[bool, dict[str, Any]] = {}
+    stats = []
+    # With MTP under the fixed ladder (whose figures the callers check), then
+    # under the draft budget, then without: all three must agree.
+    for mtp_on, policy in ((True, "fixed"), (True, "auto"), (False, "fixed")):
+        config = EngineConfig(
+            max_batch=3, mtp=mtp_on, mtp_min_prob=0.0, prompt_lookup=None, draft_policy=policy
+        )
         engine = Engine.from_loaded(loaded, config)
-        outputs[mtp_on] = {r.request_id: r.output_ids for r in engine.generate(requests)}
+        run = {r.request_id: r.output_ids for r in engine.generate(requests)}
+        if mtp_on and policy == "auto":
+            assert run == outputs[True], "the draft budget changed greedy output"
+        else:
+            outputs[mtp_on] = run
         stats.append(engine.stats())
     return outputs, stats[0]
 
@@ -235,7 +244,9 @@ def test_drafts_after_engine_steps_equal_a_recomputation_from_the_verified_prefi
 
     monkeypatch.setattr(MtpDrafter, "feed_and_draft", recording)
     lookup = PromptLookupConfig(ngram=2, min_match=2)
-    config = EngineConfig(max_batch=3, mtp_min_prob=0.0, prefill_chunk=8, prompt_lookup=lookup)
+    config = EngineConfig(
+        max_batch=3, mtp_min_prob=0.0, prefill_chunk=8, prompt_lookup=lookup, draft_policy="fixed"
+    )
     engine = Engine.from_loaded(loaded, config)
     prompts = [prompt_of(5), prompt_of(17), [7, 8, 9, 10] * 5]
     params = SamplingParams(max_tokens=32, eos_token_ids=(EOS_ID,))

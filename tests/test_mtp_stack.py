@@ -46,7 +46,13 @@ def run(
 ) -> tuple[dict[str, list[int]], EngineStats, FakeModel, list[FakeMtp]]:
     model = FakeModel(num_slots=8)
     modules = [FakeMtp(model, mode) for _ in range(num_modules)]
-    config = EngineConfig(mtp_min_prob=0.0, prompt_lookup=lookup, prefill_chunk=prefill_chunk)
+    # The fixed ladder: these tests check the stack's trace at every depth.
+    config = EngineConfig(
+        mtp_min_prob=0.0,
+        prompt_lookup=lookup,
+        prefill_chunk=prefill_chunk,
+        draft_policy="fixed",
+    )
     engine = Engine(model, None, config, mtp=modules, eos_token_ids=(0,))
     params = SamplingParams(max_tokens=max_tokens)
     results = engine.generate(Request(str(i), tuple(p), params) for i, p in enumerate(PROMPTS))
@@ -105,6 +111,7 @@ def sample_with(modules: int) -> tuple[Counter[tuple[int, ...]], EngineStats]:
     config = EngineConfig(
         max_batch=16,
         mtp_min_prob=0.0,
+        draft_policy="fixed",
         mtp_ladder=MtpLadder(steps=((16, 3),), beyond=3),
         prompt_lookup=PromptLookupConfig(ngram=2, min_match=2, max_seqs=16, miss_backoff=0),
     )

@@ -68,9 +68,12 @@ def bucket_copy(copy: list[int]) -> list[int]:
     """Cuts a copy of 4 or more tokens to the largest power of two that fits,
     so long verifies come in few widths (on a GPU each width is a captured
     graph). Shorter copies are kept whole: ``[1..7] -> [1..4]``, ``[1..3]`` stays."""
-    if len(copy) >= 4:
-        return copy[: 1 << (len(copy).bit_length() - 1)]
-    return copy
+    return copy[: bucket_width(len(copy))]
+
+
+def bucket_width(length: int) -> int:
+    """The width ``bucket_copy`` verifies a copy of ``length`` tokens at."""
+    return 1 << (length.bit_length() - 1) if length >= 4 else length
 
 
 def take_rounds_with_copies(
@@ -93,37 +96,62 @@ def take_rounds_with_copies(
     """
     if cfg is None or len(seqs) > cfg.max_seqs:
         return []
-    # A lone sequence verifies a copy of any length in one pass; in a batch a
-    # copy is cut to the 4-row verify.
-    path_cap = cfg.max_drafts if len(seqs) == 1 else BATCHED_COPY_MAX
+    path_cap = copy_path_cap(cfg, len(seqs))
     took: list[CopyTaken] = []
     for seq in seqs:
         declined = seq.drafts_declined and not seq.pending_drafts
         if mtp_drafting and not seq.pending_drafts and not declined:
             continue
         chain = min(len(seq.pending_drafts), ladder_nd)
-        forced = seq.forced_drafts
-        slot_cap = min(cfg.max_drafts, seq.draft_capacity() - len(forced), path_cap)
-        if slot_cap < max(chain, 1):
-            continue
-        if seq.prompt_lookup is None:
-            seq.prompt_lookup = PromptLookupSeq(cfg)
-        lookup = seq.prompt_lookup
-        cap = min(slot_cap, max(lookup.window, chain))
-        # With no own match, the finished requests of this scope may supply one.
-        fallback = _scope_fallback(shared, seq.scope)
-        history = [*seq.history, *forced] if forced else seq.history
-        copy = lookup.propose_with(history, cap, fallback)
+        copy = propose_copy(seq, cfg, shared, path_cap, chain)
         if copy is None:
             continue
-        copy = bucket_copy(allowed_copy(seq, copy))
-        if not copy or len(copy) < chain:
-            lookup.abandon()
+        if len(copy) < chain:
+            assert seq.prompt_lookup is not None
+            seq.prompt_lookup.abandon()
             continue
-        lookup.cut_in_flight(len(copy))
         seq.set_drafts(copy, None)
-        took.append(CopyTaken(seq, seq.seq_len + len(forced)))
+        took.append(CopyTaken(seq, seq.seq_len + len(seq.forced_drafts)))
     return took
+
+
+def copy_path_cap(cfg: PromptLookupConfig, running: int) -> int:
+    """The longest copy a verify of ``running`` sequences takes: a lone one
+    verifies a copy of any length in one pass; in a batch a copy is cut to
+    the 4-row verify."""
+    return cfg.max_drafts if running == 1 else BATCHED_COPY_MAX
+
+
+def propose_copy(
+    seq: SeqState,
+    cfg: PromptLookupConfig,
+    shared: SharedLookup | None,
+    path_cap: int,
+    chain: int,
+) -> list[int] | None:
+    """A copy for ``seq`` after its forced run, in flight at its final length
+    (cut to what the grammar allows and to a bucketed width), never asked for
+    less than ``chain`` tokens; None when there is none or no room for one."""
+    forced = seq.forced_drafts
+    slot_cap = min(cfg.max_drafts, seq.draft_capacity() - len(forced), path_cap)
+    if slot_cap < max(chain, 1):
+        return None
+    if seq.prompt_lookup is None:
+        seq.prompt_lookup = PromptLookupSeq(cfg)
+    lookup = seq.prompt_lookup
+    cap = min(slot_cap, max(lookup.window, chain))
+    # With no own match, the finished requests of this scope may supply one.
+    fallback = _scope_fallback(shared, seq.scope)
+    history = [*seq.history, *forced] if forced else seq.history
+    copy = lookup.propose_with(history, cap, fallback)
+    if copy is None:
+        return None
+    copy = bucket_copy(allowed_copy(seq, copy))
+    if not copy:
+        lookup.abandon()
+        return None
+    lookup.cut_in_flight(len(copy))
+    return copy
 
 
 def _scope_fallback(shared: SharedLookup | None, scope: ScopeKey | None) -> Fallback | None:

@@ -58,12 +58,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from metrale.engine.runtime.model import MtpModule, Segment
 from metrale.engine.sampling import draw, target_probs
 from metrale.engine.sequence import SeqState
+
+if TYPE_CHECKING:
+    from metrale.engine.spec.budget import DraftBudget
 
 
 @dataclass(frozen=True)
@@ -87,10 +91,19 @@ class DraftFeed:
 class MtpDrafter:
     """Drafts from ``modules``, in stack order, or from one module (see module doc)."""
 
-    def __init__(self, modules: MtpModule | Sequence[MtpModule], min_prob: float = 0.0) -> None:
+    def __init__(
+        self,
+        modules: MtpModule | Sequence[MtpModule],
+        min_prob: float = 0.0,
+        budget: DraftBudget | None = None,
+    ) -> None:
         self.modules = list(modules) if isinstance(modules, Sequence) else [modules]
         assert self.modules, "a drafter needs at least one module"
         self.min_prob = min_prob
+        # With a draft budget, every first draft is kept and the budget decides
+        # how deep each chain goes (``budget.py``); ``min_prob`` is not used.
+        self.budget = budget
+        self.forwards = 0  # module forwards run, for the budget's head costs
         # Per module but the last: [num_slots, hidden_size], its output at the
         # last final row of each slot's latest feed; made on first use.
         self._last: list[torch.Tensor] = []
@@ -116,6 +129,9 @@ class MtpDrafter:
             return
         drafts: list[list[int]] = [[] for _ in feeds]
         probs: list[list[torch.Tensor]] = [[] for _ in feeds]
+        if self.budget is not None:
+            for feed in feeds:
+                self.budget.start_chain(feed.seq)
         if len(self.modules) == 1:
             self._chain(feeds, hidden, drafts, probs)
         else:
@@ -135,6 +151,7 @@ class MtpDrafter:
         module = self.modules[0]
         segments = [Segment(f.seq.slot, f.start, list(f.next_ids)) for f in feeds]
         out = module.forward(segments, hidden, logits="last")
+        self.forwards += 1
         # out.logits: [num_feeds, vocab]; out.hidden: [num_tokens, hidden_size]
         ends = torch.tensor([len(f.next_ids) for f in feeds]).cumsum(0) - 1  # [num_feeds]
         live = [i for i, f in enumerate(feeds) if f.num_drafts > 0]
@@ -148,7 +165,9 @@ class MtpDrafter:
             keep = [
                 k
                 for k, i in enumerate(live)
-                if len(drafts[i]) == depth and feeds[i].num_drafts > depth
+                if len(drafts[i]) == depth
+                and feeds[i].num_drafts > depth
+                and self._deeper(feeds[i].seq, depth, len(live))
             ]
             if not keep:
                 break
@@ -159,6 +178,7 @@ class MtpDrafter:
             ]
             chain_hidden = chain_hidden[torch.tensor(keep, device=chain_hidden.device)]
             out = module.forward(segments, chain_hidden, logits="last")
+            self.forwards += 1
             logits, chain_hidden = out.logits, out.hidden  # [num_live, vocab], [num_live, hidden]
 
     def _stack(
@@ -172,8 +192,17 @@ class MtpDrafter:
         still drafting, the rows that read the drafts so far."""
         # The previous module's output rows per feed, from that module's first row.
         before: list[torch.Tensor | None] = []
+        # Drafts each feed may still get: its ask, cut where the budget stops it.
+        caps = [f.num_drafts for f in feeds]
         for depth, module in enumerate(self.modules):
-            rows = [_rows_at(f, depth, d) for f, d in zip(feeds, drafts, strict=True)]
+            if depth > 0:
+                going = sum(_drafts_on(c, depth, d) for c, d in zip(caps, drafts, strict=True))
+                for i, feed in enumerate(feeds):
+                    if _drafts_on(caps[i], depth, drafts[i]) and not self._deeper(
+                        feed.seq, depth, going
+                    ):
+                        caps[i] = depth
+            rows = [_rows_at(f, c, depth, d) for f, c, d in zip(feeds, caps, drafts, strict=True)]
             fed = [i for i, (_, tokens) in enumerate(rows) if tokens]
             if depth == 0:
                 rows_in = hidden
@@ -185,11 +214,12 @@ class MtpDrafter:
                 continue
             segments = [Segment(feeds[i].seq.slot, *rows[i]) for i in fed]
             out = module.forward(segments, rows_in, logits="last")
+            self.forwards += 1
             # out.logits: [num_fed, vocab]; out.hidden: [num_rows, hidden_size]
             sizes = [len(rows[i][1]) for i in fed]
             for i, piece in zip(fed, out.hidden.split(sizes), strict=True):
                 before[i] = piece
-            live = [n for n, i in enumerate(fed) if _drafts_on(feeds[i], depth, drafts[i])]
+            live = [n for n, i in enumerate(fed) if _drafts_on(caps[i], depth, drafts[i])]
             if live:
                 index = torch.tensor(live, device=out.logits.device)
                 logits = out.logits[index]  # [num_live, vocab]
@@ -240,19 +270,34 @@ class MtpDrafter:
         probs: list[list[torch.Tensor]],
     ) -> None:
         """Appends each live feed's draft at ``depth``, unless the confidence
-        rule (module doc) holds it back."""
+        rule (module doc) holds it back; with a budget, always, telling it the
+        draft's confidence where that may be used."""
         argmax = logits.argmax(dim=-1).tolist()  # [num_live]: one device sync a depth
-        sure = self._sure(logits)  # [num_live]
+        budget = self.budget
+        if budget is not None:
+            top = logits.float().softmax(dim=-1).amax(dim=-1).tolist()  # [num_live]
+        sure = self._sure(logits) if budget is None else [True] * len(live)  # [num_live]
         for k, i in enumerate(live):
             seq = feeds[i].seq
             if seq.request.params.greedy:
                 if sure[k]:
                     drafts[i].append(argmax[k])
+                    if budget is not None:
+                        budget.drafted(seq, depth, top[k])
                 continue
             q = target_probs(logits[k][None, :], seq.request.params)[0]  # [vocab]
-            if depth > 0 or self.min_prob == 0.0 or float(q.max()) >= self.min_prob:
-                drafts[i].append(_draw(seq, q))
-                probs[i].append(q)
+            if budget is not None:
+                # Only the first position's confidence is known before any draw.
+                budget.drafted(seq, depth, float(q.max()) if depth == 0 else None)
+            elif depth == 0 and self.min_prob > 0.0 and float(q.max()) < self.min_prob:
+                continue
+            drafts[i].append(_draw(seq, q))
+            probs[i].append(q)
+
+    def _deeper(self, seq: SeqState, depth: int, live: int) -> bool:
+        """Whether a chain still drafting goes on to ``depth`` (always, without
+        a budget: the ask and the confidence rule decide)."""
+        return self.budget is None or self.budget.deeper(seq, depth, live)
 
     def _sure(self, logits: torch.Tensor) -> list[bool]:
         """Per row of ``logits`` ``[rows, vocab]``: whether the greedy draft is
@@ -263,13 +308,13 @@ class MtpDrafter:
         return (top >= self.min_prob).tolist()
 
 
-def _drafts_on(feed: DraftFeed, depth: int, drafts: list[int]) -> bool:
-    """Whether module ``depth`` drafts for ``feed``: it was given every draft
-    before this depth and asked for one more."""
-    return len(drafts) == depth and feed.num_drafts > depth
+def _drafts_on(cap: int, depth: int, drafts: list[int]) -> bool:
+    """Whether module ``depth`` drafts for a feed that may get ``cap`` drafts:
+    it was given every draft before this depth and may have one more."""
+    return len(drafts) == depth and cap > depth
 
 
-def _rows_at(feed: DraftFeed, depth: int, drafts: list[int]) -> tuple[int, list[int]]:
+def _rows_at(feed: DraftFeed, cap: int, depth: int, drafts: list[int]) -> tuple[int, list[int]]:
     """``(first row, tokens)`` module ``depth`` runs for ``feed``: row ``p``
     reads token ``p+1+depth``, so the rows whose token the feed made final are
     ``start-depth..end-1-depth`` (none below 0) with the feed's own tokens;
@@ -277,7 +322,7 @@ def _rows_at(feed: DraftFeed, depth: int, drafts: list[int]) -> tuple[int, list[
     far. For example ``start=5, end=7, depth=2`` and drafts ``[a, b]``: rows
     3..6 read ``t_6, t_7, a, b``."""
     tokens = list(feed.next_ids)[max(0, depth - feed.start) :]
-    if _drafts_on(feed, depth, drafts):
+    if _drafts_on(cap, depth, drafts):
         tokens += drafts[max(0, depth - feed.end) :]
     return max(0, feed.start - depth), tokens
 

@@ -1,0 +1,363 @@
+"""The draft budget: each step, how many drafts every sequence verifies and
+from which source, chosen from the measured cost of a verify row and the
+acceptance seen so far (``--draft-policy auto``).
+
+Owner: the engine loop, which asks ``plan`` before the verify, reports the
+verify with ``observe`` and the step with ``end_step``; and the MTP drafter,
+which asks ``deeper`` before each further chain position.
+
+Estimates (``Rates``): the probability that a draft is accepted given that
+every draft before it was, per key: ``("copy", position)`` for prompt-lookup
+copies, and for the MTP chain ``("mtp", depth, confidence bin)`` (the
+module's own top probability, binned) and ``("mtp", depth)``. The run's
+estimate of a key starts from a coarser one (``_parent``: a bin from its
+depth, a position from the one before it), so what one key has seen informs
+those not seen yet. Each sequence keeps its own decayed counts, with the
+run-wide estimate as its prior, so a new sequence starts from what the run
+has seen and an old one follows its own text. For a greedy request every draft source is scored after the verify
+against the tokens it produced, whether it was verified or not: a draft
+agrees with greedy output exactly when the verify would have accepted it, so
+a source the plan left out still learns, and can win again.
+
+The plan (``plan.py``): a grammar's forced drafts and one bonus token per
+sequence are sure; each sequence's MTP chain and its copy (when it has one)
+are candidate prefixes with their expected accepted tokens; the allocation
+maximising expected tokens over the predicted step time (``cost.py``) wins.
+
+The chain: the first MTP draft comes with the head forward that takes the
+verified rows, so it is always drafted; the head runs one more position for a
+sequence only when the draft there, with every one before it, is likely
+enough to be worth its verify row at the current rate (``deeper``).
+
+Exactness: the plan only decides how many drafts a verify checks. For a
+sampled request nothing it uses depends on a draft's draw: its first draft is
+scored by the confidence of the distribution it is drawn from, before the
+draw, and later ones by their depth alone.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from metrale.engine.sequence import SeqState
+from metrale.engine.spec.copies import bucket_width
+from metrale.engine.spec.cost import CostModel
+from metrale.engine.spec.plan import Plan, best_plan
+from metrale.engine.stats import BudgetStats
+
+Key = tuple[object, ...]
+
+# Copy positions beyond this share one estimate.
+COPY_POSITIONS = 8
+# Upper edges of the confidence bins an MTP draft is scored in.
+CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.85, 0.95)
+# What a run believes of a first draft before it has seen one, and how
+# firmly every estimate holds to the one it starts from (in drafts).
+FIRST_PRIOR = 0.5
+RUN_STRENGTH = 2.0
+RUN_DECAY = 0.995
+# A sequence's own counts: how firmly the run's estimate holds it, and how
+# fast its past fades.
+SEQ_STRENGTH = 3.0
+SEQ_DECAY = 0.9
+# The chain goes one position deeper when that draft's worth is at least this
+# share of its verify row's cost: the plan makes the final cut, so the chain
+# errs on the side of offering one draft too many.
+DEEPER_SLACK = 0.8
+# A chain worth less than its head forward rests: the head is fed the held
+# rows, all in one forward, and drafts again only after ``EXPLORE_EVERY``
+# steps (to learn whether the chain pays again; twice as long after each look
+# that finds it does not, up to ``EXPLORE_MAX``) or once ``HOLD_MAX`` rows wait.
+VALUE_ALPHA = 0.2
+EXPLORE_EVERY = 8
+EXPLORE_MAX = 64
+HOLD_MAX = 512
+
+
+def confidence_bin(top_prob: float) -> int:
+    for index, edge in enumerate(CONFIDENCE_EDGES):
+        if top_prob < edge:
+            return index
+    return len(CONFIDENCE_EDGES)
+
+
+def _parent(key: Key) -> Key | None:
+    """The estimate a key's own starts from: an MTP draft's confidence bin
+    from its depth; a depth, or a copy position, from the one before it (a
+    chain that has held so far is believed to hold on); None: ``FIRST_PRIOR``."""
+    if key[0] == "mtp" and len(key) == 3:
+        return key[:2]
+    position = int(key[1])  # type: ignore[call-overload]
+    first = 0 if key[0] == "mtp" else 1
+    return (key[0], position - 1) if position > first else None
+
+
+class Rates:
+    """Decayed (accepted, seen) counts per key, over a prior (module doc)."""
+
+    def __init__(self, decay: float, strength: float, prior: Rates | None = None) -> None:
+        self.decay, self.strength, self.prior = decay, strength, prior
+        self._counts: dict[Key, tuple[float, float]] = {}
+
+    def rate(self, key: Key) -> float:
+        accepted, seen = self._counts.get(key, (0.0, 0.0))
+        if self.prior is not None:
+            base = self.prior.rate(key)
+        else:
+            parent = _parent(key)
+            base = self.rate(parent) if parent is not None else FIRST_PRIOR
+        return (accepted + self.strength * base) / (seen + self.strength)
+
+    def observe(self, key: Key, accepted: bool) -> None:
+        old_accepted, old_seen = self._counts.get(key, (0.0, 0.0))
+        self._counts[key] = (old_accepted * self.decay + accepted, old_seen * self.decay + 1.0)
+        if self.prior is not None:
+            self.prior.observe(key, accepted)
+
+
+@dataclass
+class SeqBudget:
+    """One sequence's estimates, the keys of the MTP chain it holds, and the
+    verified rows the head has not been fed yet while its chain rests."""
+
+    rates: Rates
+    chain_keys: list[Key] = field(default_factory=list)  # one per MTP draft, in order
+    chain_odds: float = 1.0  # the chance every chain draft so far is accepted
+    # Expected tokens a step the chain added over the other source: decayed
+    # over the steps whose plan could choose it; hopeful at first.
+    chain_value: float = 1.0
+    since_chain: int = 0  # steps since the chain last drafted
+    explore_every: int = EXPLORE_EVERY  # steps between looks while it rests
+    held: list[tuple[int, list[int], torch.Tensor]] = field(default_factory=list)
+
+    def hold(self, start: int, next_ids: list[int], rows: torch.Tensor) -> None:
+        """Keeps a verify's final rows for the head instead of feeding them."""
+        self.held.append((start, next_ids, rows.clone()))
+        self.chain_keys = []
+
+    def release(
+        self, start: int, next_ids: list[int], rows: torch.Tensor
+    ) -> tuple[int, list[int], torch.Tensor]:
+        """This verify's rows with every held one before them, as one feed:
+        held feeds are contiguous (each starts where the one before ended)."""
+        if not self.held:
+            return start, next_ids, rows
+        first = self.held[0][0]
+        ids = [t for _, held_ids, _ in self.held for t in held_ids] + next_ids
+        hidden = torch.cat([r for _, _, r in self.held] + [rows])
+        self.held = []
+        return first, ids, hidden
+
+    def held_rows(self) -> int:
+        return sum(len(ids) for _, ids, _ in self.held)
+
+    def chain_gains(self, drafts: int) -> list[float]:
+        return _cumulative(self.rates.rate(k) for k in self.chain_keys[:drafts])
+
+    def copy_gains(self, drafts: int) -> list[float]:
+        """A copy of 4 or more is verified at a power-of-two width only
+        (``copies.bucket_copy``): a width between gains no more than the one
+        below it, so the plan never picks it."""
+        gains = _cumulative(self.rates.rate(_copy_key(j)) for j in range(1, drafts + 1))
+        return [gains[bucket_width(n) - 1] for n in range(1, drafts + 1)]
+
+
+def _copy_key(position: int) -> Key:
+    return ("copy", min(position, COPY_POSITIONS))
+
+
+def _cumulative(odds: Iterable[float]) -> list[float]:
+    """Expected accepted drafts for 1..n drafts of conditional odds ``odds``."""
+    gains, reach, total = [], 1.0, 0.0
+    for p in odds:
+        reach *= p
+        total += reach
+        gains.append(total)
+    return gains
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """What a sequence may verify this step beyond its sure rows."""
+
+    seq: SeqState
+    sure_rows: int  # 1 + forced drafts
+    chain: list[int]  # its MTP drafts (after any forced run)
+    copy: list[int]  # its copy proposal; [] when none
+
+
+class DraftBudget:
+    """The run's estimates, costs and choices (module doc)."""
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+        self.rates = Rates(RUN_DECAY, RUN_STRENGTH)
+        self.rate_s = 0.0  # tokens/s the last plan predicted
+        self.marginal_s = 0.0  # one more verify row per sequence, per row
+        self._chosen: dict[str, Counter[int]] = {"mtp": Counter(), "copy": Counter()}
+        self._none = 0
+        self._predicted_s = self._measured_s = 0.0
+        self._steps = 0
+        self._plan: Plan | None = None
+
+    def for_seq(self, seq: SeqState) -> SeqBudget:
+        if seq.budget is None:
+            seq.budget = SeqBudget(Rates(SEQ_DECAY, SEQ_STRENGTH, self.rates))
+        return seq.budget
+
+    # -- the plan -------------------------------------------------------------
+
+    def plan(self, candidates: Sequence[Candidates]) -> list[tuple[str, int]]:
+        """Per candidate: ``("mtp" | "copy" | "none", drafts)``."""
+        options: list[list[list[float]]] = []
+        sources: list[list[str]] = []
+        for c in candidates:
+            budget = self.for_seq(c.seq)
+            opts, names = [], []
+            if c.chain:
+                opts.append(budget.chain_gains(len(c.chain)))
+                names.append("mtp")
+            if c.copy:
+                opts.append(budget.copy_gains(len(c.copy)))
+                names.append("copy")
+            options.append(opts)
+            sources.append(names)
+        sure = sum(c.sure_rows for c in candidates)
+        plan = best_plan(sure, float(sure), options, self.costs.step_s)
+        self._plan = plan
+        self.rate_s = plan.rate
+        self.marginal_s = self._marginal(plan.rows, len(candidates))
+        for c, opts, names, (o, n) in zip(candidates, options, sources, plan.choices, strict=True):
+            if names and names[0] == "mtp":
+                self._value_chain(c.seq, opts, names[o] == "mtp" if n else False, n)
+        picked: list[tuple[str, int]] = []
+        for names, (o, n) in zip(sources, plan.choices, strict=True):
+            if n == 0:
+                self._none += 1
+                picked.append(("none", 0))
+            else:
+                self._chosen[names[o]][n] += 1
+                picked.append((names[o], n))
+        return picked
+
+    def _value_chain(self, seq: SeqState, opts: list[list[float]], chosen: bool, n: int) -> None:
+        """What the chain added this step over the other source at the same
+        rows, net of those rows' cost (tokens at the plan's rate)."""
+        value = 0.0
+        if chosen:
+            other = opts[1][min(n, len(opts[1])) - 1] if len(opts) > 1 else 0.0
+            rows_cost = n * self.marginal_s * self.rate_s
+            value = max(opts[0][n - 1] - other - rows_cost, 0.0)
+        budget = self.for_seq(seq)
+        budget.chain_value += VALUE_ALPHA * (value - budget.chain_value)
+
+    def wants_chain(self, seq: SeqState, live: int) -> bool:
+        """Whether the head drafts for ``seq`` after this verify: while the
+        chain is worth its head forward (in tokens at the current rate), on
+        every ``EXPLORE_EVERY``-th step, or when ``HOLD_MAX`` rows wait."""
+        budget = self.for_seq(seq)
+        budget.since_chain += 1
+        cost = self.rate_s * self.costs.head.predict(live) / max(live, 1)
+        if budget.chain_value >= cost:
+            budget.since_chain, budget.explore_every = 0, EXPLORE_EVERY
+            return True
+        if budget.since_chain >= budget.explore_every or budget.held_rows() >= HOLD_MAX:
+            # A look that finds the chain still not worth it looks half as often.
+            budget.since_chain = 0
+            budget.explore_every = min(2 * budget.explore_every, EXPLORE_MAX)
+            return True
+        return False
+
+    def _marginal(self, rows: int, seqs: int) -> float:
+        step = max(seqs, 1)
+        verify = self.costs.verify
+        return max((verify.predict(rows + step) - verify.predict(rows)) / step, 0.0)
+
+    # -- the chain ------------------------------------------------------------
+
+    def start_chain(self, seq: SeqState) -> None:
+        budget = self.for_seq(seq)
+        budget.chain_keys, budget.chain_odds = [], 1.0
+
+    def drafted(self, seq: SeqState, depth: int, top_prob: float | None) -> None:
+        """Records the chain's draft at ``depth`` (``top_prob``: the module's
+        top probability there, or None when it may not be used)."""
+        budget = self.for_seq(seq)
+        key: Key = ("mtp", depth) if top_prob is None else ("mtp", depth, confidence_bin(top_prob))
+        budget.chain_keys.append(key)
+        budget.chain_odds *= budget.rates.rate(key)
+
+    def deeper(self, seq: SeqState, depth: int, live: int) -> bool:
+        """Whether the head runs chain position ``depth`` for ``seq``, given the
+        drafts before it and ``live`` sequences sharing that head forward."""
+        budget = self.for_seq(seq)
+        worth = budget.chain_odds * budget.rates.rate(("mtp", depth))
+        head = self.costs.head.predict(live) / max(live, 1)
+        return worth * DEEPER_SLACK >= self.rate_s * (self.marginal_s + head)
+
+    # -- what happened --------------------------------------------------------
+
+    def observe(self, seq: SeqState, produced: Sequence[int], chain: Sequence[int]) -> None:
+        """Scores a greedy sequence's chain and copy drafts against the tokens
+        its verify ``produced`` after the sure rows (module doc)."""
+        budget = self.for_seq(seq)
+        for j, token in enumerate(chain[: len(produced)]):
+            key = budget.chain_keys[j]
+            accepted = token == produced[j]
+            budget.rates.observe(key, accepted)
+            if len(key) == 3:
+                budget.rates.observe(key[:2], accepted)
+            if not accepted:
+                break
+
+    def observe_copy(self, seq: SeqState, produced: Sequence[int], copy: Sequence[int]) -> None:
+        budget = self.for_seq(seq)
+        for j, token in enumerate(copy[: len(produced)], 1):
+            accepted = token == produced[j - 1]
+            budget.rates.observe(_copy_key(j), accepted)
+            if not accepted:
+                break
+
+    def observe_counts(self, seq: SeqState, source: str, proposed: int, accepted: int) -> None:
+        """A sampled sequence's verified drafts: only what was verified is known."""
+        budget = self.for_seq(seq)
+        for j in range(1, min(proposed, accepted + 1) + 1):
+            ok = j <= accepted
+            if source == "copy":
+                budget.rates.observe(_copy_key(j), ok)
+            else:
+                key = budget.chain_keys[j - 1]
+                budget.rates.observe(key, ok)
+                if len(key) == 3:
+                    budget.rates.observe(key[:2], ok)
+
+    def end_step(self, measured_s: float, verify_s: float) -> None:
+        """A step that verified: its measured time against the plan's."""
+        if self._plan is None:
+            return
+        self._steps += 1
+        self._predicted_s += self._plan.seconds
+        self._measured_s += measured_s
+        self.costs.observe_other(measured_s - verify_s)
+        self._plan = None
+
+    def snapshot(self) -> BudgetStats:
+        costs = self.costs
+        return BudgetStats(
+            steps=self._steps,
+            chosen={k: dict(sorted(v.items())) for k, v in self._chosen.items()},
+            no_drafts=self._none,
+            verify_ms={k: 1e3 * v for k, v in costs.verify.table().items()},
+            head_ms={k: 1e3 * v for k, v in costs.head.table().items()},
+            other_ms=1e3 * costs.other_s,
+            predicted_ms=1e3 * self._predicted_s / self._steps if self._steps else 0.0,
+            measured_ms=1e3 * self._measured_s / self._steps if self._steps else 0.0,
+            copy_acceptance=tuple(
+                self.rates.rate(_copy_key(j)) for j in range(1, COPY_POSITIONS + 1)
+            ),
+            mtp_acceptance=tuple(self.rates.rate(("mtp", d)) for d in range(3)),
+        )

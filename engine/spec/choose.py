@@ -1,0 +1,105 @@
+"""The draft phase under ``--draft-policy auto``: every source offers its
+drafts, the budget picks one source and a prefix per sequence, and after the
+verify every offer is scored.
+
+Owner: the engine loop (``engine.py``), in place of the fixed copy rule
+(``copies.take_rounds_with_copies``), between the admit and verify phases;
+``score_offers`` right after the verify.
+
+Invariants (the fixed rule's, kept):
+- A copy is never longer than ``PromptLookupConfig.max_drafts``, the slot's
+  draft capacity, nor, in a batch of two or more, 3 tokens; an MTP chain
+  never longer than ``chain_cap``; copies are off when more than
+  ``max_seqs`` sequences run.
+- Every copy proposed is either verified, marked in flight at the length the
+  plan chose and settled by ``settle_copies`` in the same step, or abandoned
+  before the verify.
+- A verified copy leaves the MTP drafter told that none of its drafts were
+  accepted (``copies.drafter_accepted``): the rows were not its drafts.
+- A grammar's forced drafts are always verified, first; the chosen drafts
+  follow them, and ``check_drafts`` then cuts at the first forbidden one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from metrale.engine.sequence import SeqState
+from metrale.engine.spec.budget import Candidates, DraftBudget
+from metrale.engine.spec.copies import CopyTaken, copy_path_cap, propose_copy
+from metrale.lookup import PromptLookupConfig, SharedLookup
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a sequence was offered this step, for scoring after the verify."""
+
+    seq: SeqState
+    forced: int  # forced drafts ahead of the chosen ones
+    source: str  # "mtp", "copy" or "none"
+    drafts: int  # of the chosen source
+    chain: list[int]
+    copy: list[int]
+
+
+def take_planned_drafts(
+    batch: Sequence[SeqState],
+    budget: DraftBudget,
+    cfg: PromptLookupConfig | None,
+    shared: SharedLookup | None,
+) -> tuple[list[CopyTaken], list[Offer]]:
+    """Sets each sequence's drafts to the plan's choice (module doc). Runs
+    after ``take_forced`` and before ``check_drafts``."""
+    copies_on = cfg is not None and len(batch) <= cfg.max_seqs
+    path_cap = copy_path_cap(cfg, len(batch)) if cfg is not None else 0
+    candidates: list[Candidates] = []
+    for seq in batch:
+        own = budget.for_seq(seq)
+        # A forced run that matched the chain's first drafts stands in their
+        # place (``take_forced``): the chain's keys move past them too.
+        offset = len(seq.forced_drafts) if seq.forced_drafts and seq.pending_drafts else 0
+        own.chain_keys = own.chain_keys[offset : offset + len(seq.pending_drafts)]
+        chain = list(seq.pending_drafts[: len(own.chain_keys)])
+        copy = None
+        if copies_on and cfg is not None:
+            copy = propose_copy(seq, cfg, shared, path_cap, 0)
+        sure = 1 + len(seq.forced_drafts)
+        candidates.append(Candidates(seq, sure, chain, copy or []))
+    picked = budget.plan(candidates)
+    took: list[CopyTaken] = []
+    offers: list[Offer] = []
+    for c, (source, n) in zip(candidates, picked, strict=True):
+        seq, lookup = c.seq, c.seq.prompt_lookup
+        if source == "copy":
+            assert lookup is not None
+            lookup.cut_in_flight(n)
+            seq.set_drafts(c.copy[:n], None)
+            took.append(CopyTaken(seq, seq.seq_len + len(seq.forced_drafts)))
+        else:
+            if c.copy and lookup is not None:
+                lookup.abandon()
+            probs = seq.pending_probs
+            seq.set_drafts(c.chain[:n], probs[:n] if probs is not None and n else None)
+        offers.append(Offer(seq, len(seq.forced_drafts), source, n, c.chain, c.copy))
+    return took, offers
+
+
+def score_offers(
+    budget: DraftBudget, offers: Sequence[Offer], produced: dict[int, list[int]]
+) -> None:
+    """Scores each offer after the verify. ``produced[slot]``: the tokens the
+    sequence's verify produced after its forced run (the accepted drafts and
+    the bonus token: the model's own token at every position it reached). A
+    greedy offer is scored against them whatever was verified; a sampled one
+    only on what it verified."""
+    for offer in offers:
+        seq = offer.seq
+        tokens = produced.get(seq.slot)
+        if tokens is None:
+            continue
+        if seq.request.params.greedy:
+            budget.observe(seq, tokens, offer.chain)
+            budget.observe_copy(seq, tokens, offer.copy)
+        elif offer.source != "none":
+            budget.observe_counts(seq, offer.source, offer.drafts, len(tokens) - 1)

@@ -1,0 +1,214 @@
+"""What a step costs on this machine: the verify forward by its row count, the
+MTP head's forwards, and the rest of the step, measured as the run goes.
+
+Owner: the draft budget (``budget.py``), which asks ``step_s`` for the time
+of a step of ``rows`` verify rows and feeds every measured step back.
+
+Contract:
+- Every figure is seconds of wall time read from ``clock`` (injected in
+  tests: a fake model that advances a fake clock by the cost it is told to
+  have makes the whole budget deterministic).
+- ``verify`` holds one running estimate per row-count bucket (exact up to
+  16 rows, then coarser, ``bucket``). A row count between measured buckets is
+  interpolated linearly between its neighbours; beyond the widest it is
+  extrapolated along the cost of the last measured row, and below the
+  narrowest it costs what the narrowest does. A bucket measured again moves
+  by ``ALPHA`` towards the new figure, so the estimate follows the context
+  growing and the machine getting busier.
+- ``head_s`` is the time of one MTP head forward by the rows it reads (one
+  per drafting sequence), the same way; ``other_s`` the rest of a step
+  (sampling, lookup, grammar, Python), one running figure.
+- ``calibrate`` warm-starts ``verify`` from a few forwards at chosen widths.
+  ``CostCache`` keeps the result in ``METRALE_HOME`` under a key naming the
+  model, its weights, device, dtype and thread count, so a later run on the
+  same set-up starts from it without running them, and a run with another
+  thread count or dtype does not reuse it. A run stores its costs again as
+  it ends (``save``), so a calibration taken on a busy moment heals.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+# How far a new measurement moves its bucket's estimate, and the most a
+# single one counts for, as a multiple of the estimate.
+ALPHA = 0.15
+SPIKE = 2.0
+# Calibration widths: the verify shapes a run meets most (1 sequence with
+# drafts, or a batch with up to 3 drafts each).
+CALIBRATION_ROWS = (1, 2, 3, 4, 8, 16, 32, 64)
+# A calibration is kept this many runs' worth of format changes apart.
+CACHE_FORMAT = 1
+
+Clock = Callable[[], float]
+
+
+def bucket(rows: int) -> int:
+    """The bucket a verify of ``rows`` rows is kept in: exact up to 16, then
+    rounded up to a multiple of 4 up to 64, of 16 beyond."""
+    if rows <= 16:
+        return max(rows, 1)
+    step = 4 if rows <= 64 else 16
+    return -(-rows // step) * step
+
+
+class RunningCosts:
+    """Running estimates of seconds by row count, interpolated between buckets."""
+
+    def __init__(self, initial: Mapping[int, float] | None = None) -> None:
+        self._by_bucket: dict[int, float] = dict(initial or {})
+        self._keys: list[int] = sorted(self._by_bucket)
+        self._monotone: dict[int, float] = {}
+        self._repair()
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A measured forward. One far slower than its bucket's estimate (the
+        machine was busy) counts as ``SPIKE`` times the estimate, so one spike
+        cannot price a width out of every later plan, where it would never be
+        measured again."""
+        key = bucket(rows)
+        old = self._by_bucket.get(key)
+        if old is None:
+            self._by_bucket[key] = seconds
+            bisect.insort(self._keys, key)
+        else:
+            self._by_bucket[key] = old + ALPHA * (min(seconds, SPIKE * old) - old)
+        self._repair()
+
+    def _repair(self) -> None:
+        """Two facts of any forward hold whatever a busy moment measured: a
+        forward of more rows costs no more per row than one of fewer (it could
+        be split into those), and no less in all (a bucket dearer than a wider
+        one is priced as the wider one)."""
+        per_row = float("inf")
+        for key in self._keys:
+            per_row = min(per_row, self._by_bucket[key] / key)
+            self._monotone[key] = min(self._by_bucket[key], per_row * key)
+        cheapest = float("inf")
+        for key in reversed(self._keys):
+            cheapest = min(cheapest, self._monotone[key])
+            self._monotone[key] = cheapest
+
+    def known(self) -> bool:
+        return bool(self._keys)
+
+    def predict(self, rows: int) -> float:
+        """Seconds for ``rows`` (0 when nothing was measured yet)."""
+        keys, costs = self._keys, self._monotone
+        if not keys:
+            return 0.0
+        key = bucket(rows)
+        at = bisect.bisect_left(keys, key)
+        if at < len(keys) and keys[at] == key:
+            return costs[key]
+        if at == 0:
+            return costs[keys[0]]
+        if at == len(keys):
+            last = keys[-1]
+            if len(keys) == 1:
+                return costs[last] * key / last
+            slope = max((costs[last] - costs[keys[-2]]) / (last - keys[-2]), 0.0)
+            return costs[last] + slope * (key - last)
+        lo, hi = keys[at - 1], keys[at]
+        return costs[lo] + (costs[hi] - costs[lo]) * (key - lo) / (hi - lo)
+
+    def table(self) -> dict[int, float]:
+        """Bucket -> predicted seconds, in bucket order."""
+        return {k: self._monotone[k] for k in self._keys}
+
+
+class CostModel:
+    """The step's costs (module doc); one per engine."""
+
+    def __init__(self, clock: Clock = time.perf_counter, cache: CostCache | None = None) -> None:
+        self.clock = clock
+        self.cache = cache
+        self.verify = RunningCosts()
+        self.head = RunningCosts()
+        self.other_s = 0.0
+        self._other_seen = False
+        self.calibrated = False
+
+    def step_s(self, rows: int, head_forwards: int = 0, head_rows: int = 1) -> float:
+        """Predicted seconds of a step that verifies ``rows`` rows and runs the
+        head ``head_forwards`` times over ``head_rows`` rows each."""
+        head = head_forwards * self.head.predict(head_rows) if head_forwards else 0.0
+        return self.verify.predict(rows) + head + self.other_s
+
+    def observe_other(self, seconds: float) -> None:
+        seconds = max(seconds, 0.0)
+        if not self._other_seen:
+            self.other_s, self._other_seen = seconds, True
+        else:
+            spike = SPIKE * self.other_s if self.other_s > 0 else seconds
+            self.other_s += ALPHA * (min(seconds, spike) - self.other_s)
+
+    def calibrate(self, forward: Callable[[int], None], max_rows: int) -> None:
+        """Warm-starts ``verify`` from the cache, or by timing ``forward(rows)``
+        (one untimed warm-up, then the better of two) at each calibration width
+        up to ``max_rows``, and stores what it measured."""
+        if self.calibrated:
+            return
+        self.calibrated = True
+        widths = [r for r in CALIBRATION_ROWS if r <= max_rows]
+        cached = self.cache.load() if self.cache is not None else None
+        if cached is not None and all(bucket(r) in cached for r in widths):
+            for rows, seconds in cached.items():
+                self.verify.observe(rows, seconds)
+            return
+        forward(1)
+        for rows in widths:
+            best = float("inf")
+            for _ in range(2):
+                began = self.clock()
+                forward(rows)
+                best = min(best, self.clock() - began)
+            self.verify.observe(rows, best)
+        self.save()
+
+    def save(self) -> None:
+        """Stores the verify costs as they stand, so the next run on this
+        set-up starts from what this one measured last."""
+        if self.cache is not None and self.verify.known():
+            self.cache.store(self.verify.table())
+
+
+class CostCache:
+    """A calibration on disk: ``<home>/calibration/<hash of key>.json``, which
+    also holds the key itself, checked on reading (module doc)."""
+
+    def __init__(self, home: Path, key: Mapping[str, str]) -> None:
+        self.key = {"format": str(CACHE_FORMAT), **{k: str(v) for k, v in key.items()}}
+        text = json.dumps(self.key, sort_keys=True)
+        digest = hashlib.sha256(text.encode()).hexdigest()[:20]
+        self.path = home / "calibration" / f"{digest}.json"
+
+    def load(self) -> dict[int, float] | None:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("key") != self.key:
+            return None
+        try:
+            return {int(k): float(v) for k, v in data["verify_s"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    def store(self, verify_s: Mapping[int, float]) -> None:
+        """Writes atomically; a home that cannot be written is left alone
+        (the next run calibrates again)."""
+        data = {"key": self.key, "verify_s": {str(k): v for k, v in verify_s.items()}}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(data, indent=1))
+            partial.replace(self.path)
+        except OSError:
+            pass

@@ -1,0 +1,277 @@
+"""The draft budget (``--draft-policy auto``): the plan against a brute force,
+the cost model and its cache, and the engine on fakes whose step cost is
+injected on a fake clock (no wall clock anywhere here)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from metrale.engine.api import Request, SamplingParams
+from metrale.engine.config import EngineConfig, RuntimeConfig
+from metrale.engine.engine import Engine, calibration_key
+from metrale.engine.load.loader import load_model
+from metrale.engine.spec.copies import BATCHED_COPY_MAX
+from metrale.engine.spec.cost import CostCache, CostModel, RunningCosts, bucket
+from metrale.engine.spec.plan import best_plan
+from metrale.lookup import PromptLookupConfig
+from tests.checkpoints import write_tiny_checkpoint
+from tests.fake_model import CostedModel, CostedMtp, FakeClock, FakeModel, FakeMtp, reference_greedy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3],
+    [3, 3, 7, 0, 12, 4, 9, 2, 2, 8, 11, 6],
+    [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 9, 8, 7, 6, 5, 4, 3, 2],
+    [2, 13, 0, 7, 7, 1, 2, 13, 0, 7, 7, 1, 2, 13],
+]
+REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0] * 2 + [1, 2, 3, 4, 5, 6, 7, 8]
+LOOKUP = PromptLookupConfig(ngram=2, min_match=3, max_drafts=8, miss_backoff=0)
+COSTS: dict[str, Callable[[int], float]] = {
+    # A verify row costs almost nothing beside the step (a GPU at small batch).
+    "free": lambda rows: 0.010 + 0.00001 * rows,
+    # Every row costs as much as a whole one-row step.
+    "dear": lambda rows: 0.010 * rows,
+    # Somewhere between: a CPU, where a row adds a third of a step.
+    "cpu": lambda rows: 0.010 + 0.003 * rows,
+}
+
+
+# -- the plan -----------------------------------------------------------------
+
+
+def brute_force_rate(
+    base_rows: int, options: Sequence[Sequence[Sequence[float]]], step_s: Callable[[int], float]
+) -> float:
+    per_seq = [
+        [(0, 0.0)] + [(n, g[n - 1]) for g in opts for n in range(1, len(g) + 1)] for opts in options
+    ]
+    best = 0.0
+    for combo in itertools.product(*per_seq):
+        rows = base_rows + sum(n for n, _ in combo)
+        best = max(best, (base_rows + sum(g for _, g in combo)) / step_s(rows))
+    return best
+
+
+def cumulative(odds: Sequence[float]) -> list[float]:
+    gains, reach, total = [], 1.0, 0.0
+    for p in odds:
+        reach *= p
+        total += reach
+        gains.append(total)
+    return gains
+
+
+odds_lists = st.lists(st.floats(0.0, 1.0), min_size=0, max_size=4)
+seq_options = st.lists(odds_lists, min_size=0, max_size=2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    options=st.lists(seq_options, min_size=1, max_size=4),
+    fixed_s=st.floats(0.001, 1.0),
+    row_costs=st.lists(st.floats(0.0, 0.5), min_size=20, max_size=20),
+)
+def test_the_plan_maximises_the_expected_rate_over_every_candidate(
+    options: list[list[list[float]]], fixed_s: float, row_costs: list[float]
+) -> None:
+    gains = [[cumulative(odds) for odds in opts] for opts in options]
+
+    def step_s(rows: int) -> float:  # any increasing cost, not only a linear one
+        return fixed_s + sum(row_costs[:rows])
+
+    base = len(gains)
+    plan = best_plan(base, float(base), gains, step_s)
+    assert plan.rate == pytest.approx(brute_force_rate(base, gains, step_s), rel=1e-9)
+    # The plan is what it says it is.
+    assert plan.rows == base + sum(n for _, n in plan.choices)
+    chosen = sum(gains[i][o][n - 1] for i, (o, n) in enumerate(plan.choices) if n)
+    assert plan.tokens == pytest.approx(base + chosen)
+    for i, (o, n) in enumerate(plan.choices):
+        assert (o, n) == (-1, 0) or (0 <= o < len(gains[i]) and 1 <= n <= len(gains[i][o]))
+
+
+def test_the_plan_verifies_sure_drafts_when_rows_are_cheap_and_none_when_dear() -> None:
+    options = [[[0.9, 1.7, 2.4]], [[0.5, 0.7]]]
+    cheap = best_plan(2, 2.0, options, lambda rows: 1.0 + 0.01 * rows)
+    assert cheap.choices == ((0, 3), (0, 2))
+    dear = best_plan(2, 2.0, options, lambda rows: 1.0 * rows)
+    assert dear.choices == ((-1, 0), (-1, 0))
+
+
+# -- the cost model -------------------------------------------------------------
+
+
+def test_costs_are_interpolated_between_buckets_and_follow_new_measurements() -> None:
+    costs = RunningCosts({1: 2.0, 4: 5.0, 16: 11.0})
+    assert costs.predict(2) == pytest.approx(3.0)
+    assert costs.predict(10) == pytest.approx(8.0)
+    assert costs.predict(32) == pytest.approx(11.0 + 0.5 * 16)  # the last slope on
+    assert costs.predict(0) == 2.0
+    costs.observe(4, 8.0)
+    assert 5.0 < costs.predict(4) < 8.0
+    assert bucket(17) == 20 and bucket(65) == 80 and bucket(16) == 16
+
+
+def test_a_busy_moment_cannot_price_a_width_out_of_the_plans() -> None:
+    costs = RunningCosts({1: 1.0, 2: 50.0, 4: 4.0, 8: 400.0})
+    assert costs.predict(2) <= 2.0  # no dearer per row than one row
+    assert costs.predict(8) <= 8.0
+    assert costs.predict(1) <= costs.predict(2) <= costs.predict(4) <= costs.predict(8)
+    before = costs.predict(4)
+    costs.observe(4, 1000.0)  # counted as twice the estimate at most
+    assert costs.predict(4) <= before * (1 + 0.15) + 1e-9
+
+
+def test_a_calibration_is_reused_only_by_the_same_model_device_dtype_and_threads(
+    tmp_path: Path,
+) -> None:
+    key = {"model": "m", "device": "cpu", "dtype": "float32", "threads": "2"}
+    clock = FakeClock()
+    calls: list[int] = []
+
+    def forward(rows: int) -> None:
+        calls.append(rows)
+        clock.now += 0.001 * rows
+
+    first = CostModel(clock, CostCache(tmp_path, key))
+    first.calibrate(forward, 8)
+    assert calls and first.verify.predict(8) == pytest.approx(0.008)
+    calls.clear()
+    again = CostModel(clock, CostCache(tmp_path, key))
+    again.calibrate(forward, 8)
+    assert calls == [] and again.verify.table() == first.verify.table()
+    for changed in ({"threads": "1"}, {"dtype": "bfloat16"}):
+        other = CostModel(clock, CostCache(tmp_path, {**key, **changed}))
+        other.calibrate(forward, 8)
+        assert calls, f"a calibration for {changed} reused another's"
+        calls.clear()
+
+
+def test_the_calibration_key_names_threads_and_dtype(tmp_path: Path) -> None:
+    folder = write_tiny_checkpoint(tmp_path / "tiny", "llama")
+    loaded = load_model(folder, RuntimeConfig(device="cpu", num_slots=2, max_len=64))
+    key = calibration_key(loaded)
+    assert key["dtype"] == "float32" and key["threads"] == "1"
+    torch.set_num_threads(2)
+    try:
+        assert calibration_key(loaded)["threads"] == "2"
+    finally:
+        torch.set_num_threads(1)
+    as_bf16 = load_model(folder, RuntimeConfig(device="cpu", dtype="bfloat16", num_slots=2))
+    assert calibration_key(as_bf16)["dtype"] == "bfloat16"
+    assert CostCache(tmp_path, key).path != CostCache(tmp_path, calibration_key(as_bf16)).path
+
+
+# -- the engine on costed fakes ---------------------------------------------------
+
+
+def costed_engine(
+    cost: str,
+    mtp_mode: str | None = "mixed",
+    lookup: PromptLookupConfig | None = None,
+    max_batch: int = 4,
+    counting: bool = False,
+    head_cost: float = 0.0005,
+) -> tuple[Engine, CostedModel]:
+    clock = FakeClock()
+    model = CostedModel(num_slots=4, clock=clock, cost=COSTS[cost], counting=counting)
+    mtp = [CostedMtp(model, mtp_mode, cost=head_cost)] if mtp_mode else []  # type: ignore[arg-type]
+    config = EngineConfig(max_batch=max_batch, prompt_lookup=lookup, draft_policy="auto")
+    engine = Engine(model, None, config, mtp=mtp, costs=CostModel(clock))
+    engine.calibrate()
+    model.forwards.clear()
+    return engine, model
+
+
+def generate(
+    engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int = 40
+) -> list[list[int]]:
+    reqs = [
+        Request(str(i), tuple(p), SamplingParams(max_tokens=max_tokens))
+        for i, p in enumerate(prompts)
+    ]
+    by_id = {r.request_id: list(r.output_ids) for r in engine.generate(reqs)}
+    return [by_id[str(i)] for i in range(len(prompts))]
+
+
+def late_draft_rows(model: FakeModel, prompt_len: int, skip: int = 6) -> list[int]:
+    """Drafts of each verify of slot 0 after the first ``skip`` (the warm-up)
+    and before the last two (where ``max_tokens`` caps the drafts)."""
+    widths = [
+        len(s.token_ids) for f in model.forwards for s in f if s.slot == 0 and s.start >= prompt_len
+    ]
+    return [w - 1 for w in widths[skip:-2]]
+
+
+def test_a_source_never_accepted_gets_no_rows_after_warm_up() -> None:
+    engine, model = costed_engine("cpu", mtp_mode="wrong")
+    generate(engine, [PROMPTS[1]], max_tokens=40)
+    late = late_draft_rows(model, len(PROMPTS[1]))
+    assert late and set(late) == {0}
+    assert engine.stats().mtp_accepted == 0
+
+
+def test_a_source_always_accepted_grows_to_its_cap() -> None:
+    engine, model = costed_engine("cpu", mtp_mode="right")
+    generate(engine, [PROMPTS[1]], max_tokens=40)
+    late = late_draft_rows(model, len(PROMPTS[1]))
+    assert late and set(late) == {3}  # the ladder's longest chain
+
+
+def test_an_always_accepted_copy_grows_to_the_copy_caps_alone_and_in_a_batch() -> None:
+    engine, model = costed_engine("cpu", None, LOOKUP, counting=True)
+    generate(engine, [REPEATING], max_tokens=60)
+    assert max(late_draft_rows(model, len(REPEATING))) == LOOKUP.max_drafts
+    engine, model = costed_engine("free", None, LOOKUP, counting=True)
+    generate(engine, [REPEATING, REPEATING[1:]], max_tokens=60)
+    verifies = [f for f in model.forwards if len(f) == 2 and min(s.start for s in f) >= 39]
+    widths = {len(s.token_ids) for f in verifies for s in f}
+    assert max(widths) == 1 + BATCHED_COPY_MAX
+
+
+def test_the_budget_grows_when_rows_are_nearly_free_and_shrinks_when_they_are_dear() -> None:
+    mean_drafts = {}
+    for cost in ("free", "dear"):
+        engine, model = costed_engine(cost, mtp_mode="mixed")
+        generate(engine, PROMPTS[:2], max_tokens=40)
+        late = late_draft_rows(model, min(len(p) for p in PROMPTS[:2]))
+        mean_drafts[cost] = sum(late) / len(late)
+    assert mean_drafts["free"] > 2.0  # nearly the whole chain of 3
+    # A draft pays a whole step's cost only when it is all but sure: the
+    # module's most confident drafts, now and then.
+    assert mean_drafts["dear"] < 0.25
+
+
+def test_the_cost_model_predicts_the_steps_it_measures() -> None:
+    engine, _ = costed_engine("cpu", mtp_mode="mixed", lookup=LOOKUP)
+    generate(engine, PROMPTS, max_tokens=40)
+    budget = engine.stats().budget
+    assert budget is not None and budget.steps > 10
+    assert budget.predicted_ms == pytest.approx(budget.measured_ms, rel=0.1)
+    assert budget.verify_ms[1] == pytest.approx(13.0, rel=0.01)  # 10 ms + 3 ms a row
+    assert sum(budget.chosen["mtp"].values()) > 0 and budget.no_drafts > 0
+    assert 0 < budget.mtp_acceptance[0] < 1
+
+
+@pytest.mark.parametrize("cost", list(COSTS))
+@pytest.mark.parametrize("mtp_mode", ["right", "mixed", "wrong"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_output_is_identical_under_auto_fixed_and_off(
+    cost: str, mtp_mode: str, batch: int
+) -> None:
+    engine, _ = costed_engine(cost, mtp_mode, LOOKUP, max_batch=batch)
+    auto = generate(engine, PROMPTS)
+    model = FakeModel(num_slots=4)
+    config = EngineConfig(max_batch=batch, prompt_lookup=LOOKUP, draft_policy="fixed")
+    mtp = [FakeMtp(model, mtp_mode)]  # type: ignore[arg-type]
+    fixed = generate(Engine(model, None, config, mtp=mtp), PROMPTS)
+    off = [reference_greedy(FakeModel(), p, 40) for p in PROMPTS]
+    assert auto == fixed == off
