@@ -152,7 +152,7 @@ def generate(
             panel=SPECULATION,
         ),
     ] = True,
-    draft_policy: DraftPolicyOpt = DraftPolicy.fixed,
+    draft_policy: DraftPolicyOpt = DraftPolicy.auto,
     max_batch: Annotated[
         int, option("--max-batch", "Sequences decoded together.", panel=RUNTIME)
     ] = 16,

@@ -29,6 +29,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from metrale.cli.budget_view import budget_table
 from metrale.engine.stats import EngineStats
 
 StatsSource = Callable[[], EngineStats]
@@ -126,8 +127,12 @@ def verify_line(stats: EngineStats) -> str:
 
 
 def final_view(stats: EngineStats) -> RenderableType:
-    """The table and the mean acceptance length under it."""
-    return Group(speculation_table(stats), Text(verify_line(stats)))
+    """The table and the mean acceptance length under it, then what the
+    draft budget chose, once it has planned a step."""
+    parts: list[RenderableType] = [speculation_table(stats), Text(verify_line(stats))]
+    if stats.budget is not None and stats.budget.steps:
+        parts.append(budget_table(stats.budget))
+    return Group(*parts)
 
 
 def render(stats: EngineStats, counters: RunCounters) -> RenderableType:

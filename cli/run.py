@@ -27,6 +27,7 @@ from typing import IO, Any, TypeVar
 import orjson
 from rich.console import Console
 
+from metrale.cli.budget_view import budget_figures
 from metrale.cli.jsonl import (
     LineDefaults,
     LineError,
@@ -253,7 +254,9 @@ def run_figures(
     ``shared_lookup`` the part of them the cross-request cache supplied;
     ``mean_tokens_per_verify`` counts the bonus token. ``forced`` counts the
     grammars' forced drafts; ``grammar`` the constrained requests, the tokens
-    they emitted and the time their grammars took, in total and per token."""
+    they emitted and the time their grammars took, in total and per token;
+    ``draft_budget`` what the budget chose and measured (``cli/budget_view.py``;
+    null under ``--draft-policy fixed``)."""
     return {
         "model": model,
         "requests": counters.written,
@@ -283,5 +286,6 @@ def run_figures(
             "mask_s": stats.grammar_s,
             "mask_us_per_token": stats.grammar_us_per_token,
         },
+        "draft_budget": budget_figures(stats.budget),
         "settings": settings,
     }
