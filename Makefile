@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The shipped sample workload `make run` generates on.
 RUN_INPUT ?= sample_prompts/code_edits.jsonl
 
-.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine bench-startup bench-grammar bench-ray mtp-head mtp-eval clean
+.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine bench-startup bench-grammar bench-ray bench-budget mtp-head mtp-eval clean
 
 all: test
 
@@ -79,6 +79,12 @@ bench-engine: setup
 # constrained with and without drafts (forced, MTP, copies) and unconstrained.
 bench-grammar: setup
 	$(PY) -m metrale.engine.bench.grammar --json build/bench_grammar.json
+
+# The draft budget (--draft-policy auto) against no drafts, copies only, MTP
+# only and both under the fixed policy, at batch 1 and 16, on the sample
+# workloads and the held-out bench_prompts/ sets nothing was tuned on.
+bench-budget: setup
+	$(PY) -m metrale.engine.bench.budget sample_prompts/*.jsonl bench_prompts/code_gen.jsonl bench_prompts/math_steps.jsonl bench_prompts/chat_tasks.jsonl
 
 # The same job in one process and on a local Ray (--ray local --ray-workers 2),
 # the outputs checked identical, tok/s of both and their ratio.

@@ -46,7 +46,7 @@ from metrale.engine.bench.timing import take_turns
 from metrale.engine.config import MTP_MIN_PROB, EngineConfig, MtpLadder
 from metrale.lookup import PromptLookupConfig
 
-Speculation = Literal["off", "mtp", "lookup", "both"]
+Speculation = Literal["off", "mtp", "lookup", "both", "auto"]
 REFERENCE = "hf-greedy-b1"
 NO_MTP = "n/a: the model has no MTP layers"
 Progress = Callable[[str], None]
@@ -91,7 +91,7 @@ class Configuration:
 
     @property
     def uses_mtp(self) -> bool:
-        return self.speculation in ("mtp", "both")
+        return self.speculation in ("mtp", "both", "auto")
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,7 @@ def _metrale_rows(batch: int) -> list[Configuration]:
         "mtp": "metrale, MTP",
         "lookup": "metrale, lookup",
         "both": "metrale, MTP+lookup",
+        "auto": "metrale, draft budget",
     }
     return [
         Configuration(f"metrale-{mode}-b{batch}", label, "metrale", batch, mode)
@@ -145,12 +146,15 @@ def _metrale_rows(batch: int) -> list[Configuration]:
 def engine_config(
     settings: BenchSettings, batch: int, speculation: Speculation, lookup: PromptLookupConfig
 ) -> EngineConfig:
+    """The four fixed rows keep the ladder and windows (``--draft-policy
+    fixed``); ``auto`` is the default, both sources under the draft budget."""
     return EngineConfig(
         max_batch=batch,
-        mtp=speculation in ("mtp", "both"),
+        mtp=speculation in ("mtp", "both", "auto"),
         mtp_ladder=settings.mtp_ladder,
         mtp_min_prob=settings.mtp_min_prob,
-        prompt_lookup=lookup if speculation in ("lookup", "both") else None,
+        prompt_lookup=lookup if speculation in ("lookup", "both", "auto") else None,
+        draft_policy="auto" if speculation == "auto" else "fixed",
     )
 
 
