@@ -5,6 +5,7 @@ injected on a fake clock (no wall clock anywhere here)."""
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine, calibration_key
 from metrale.engine.load.loader import load_model
+from metrale.engine.prompts import user_prompt_ids
 from metrale.engine.spec.copies import BATCHED_COPY_MAX
 from metrale.engine.spec.cost import CostCache, CostModel, RunningCosts, bucket
 from metrale.engine.spec.plan import best_plan
@@ -275,3 +277,26 @@ def test_greedy_output_is_identical_under_auto_fixed_and_off(
     fixed = generate(Engine(model, None, config, mtp=mtp), PROMPTS)
     off = [reference_greedy(FakeModel(), p, 40) for p in PROMPTS]
     assert auto == fixed == off
+
+
+@pytest.mark.slow
+def test_the_default_model_writes_the_same_greedy_output_under_auto_fixed_and_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("METRALE_HOME", str(tmp_path))  # a calibration of its own
+    loaded = load_model(None, RuntimeConfig(device="cpu", num_slots=4, max_len=512))
+    lines = Path("sample_prompts/code_edits.jsonl").read_text().splitlines()[:2]
+    texts = [json.loads(line)["messages"][0]["content"] for line in lines]
+    texts += ["Repeat after me: one two three, one two three, one two three.", "Hi"]
+    prompts = [user_prompt_ids(loaded.tokenizer, t) for t in texts]
+    seen = {}
+    for name, config in {
+        "off": EngineConfig(max_batch=4, mtp=False, prompt_lookup=None),
+        "fixed": EngineConfig(max_batch=4, draft_policy="fixed"),
+        "auto": EngineConfig(max_batch=4, draft_policy="auto"),
+        "auto alone": EngineConfig(max_batch=1, draft_policy="auto"),
+    }.items():
+        engine = Engine.from_loaded(loaded, config)
+        seen[name] = generate(engine, prompts, max_tokens=48)
+    assert seen["auto"] == seen["fixed"] == seen["off"] == seen["auto alone"]
+    assert list((tmp_path / "calibration").glob("*.json")), "the calibration is cached"

@@ -108,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--single", type=int, default=8, help="requests decoded at batch 1")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--batch-one", choices=("yes", "no", "only"), default="yes")
     args = parser.parse_args(argv)
     paths = args.workloads or sorted(Path("sample_prompts").glob("*.jsonl"))
     loaded = load_model(args.model, RuntimeConfig(num_slots=args.batch))
@@ -116,7 +117,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("|" + "---|" * (len(CONFIGS) + 4))
     for path in paths:
         requests = read_requests(path, loaded, args.max_tokens)
-        for batch, subset in ((1, requests[: args.single]), (args.batch, requests[: args.batch])):
+        shapes = [(1, requests[: args.single]), (args.batch, requests[: args.batch])]
+        if args.batch_one != "yes":
+            shapes = shapes[:1] if args.batch_one == "only" else shapes[1:]
+        for batch, subset in shapes:
             rates = bench_workload(loaded, path.stem, subset, batch, args.repeats)
             best = max(FIXED, key=lambda k: rates[k])
             cells = [f"{rates[k]:.1f}" for k in CONFIGS]

@@ -64,15 +64,17 @@ RUN_DECAY = 0.995
 # fast its past fades.
 SEQ_STRENGTH = 3.0
 SEQ_DECAY = 0.9
-# The chain goes one position deeper when that draft's worth is at least this
-# share of its verify row's cost: the plan makes the final cut, so the chain
-# errs on the side of offering one draft too many.
-DEEPER_SLACK = 0.8
+# The chain goes one position deeper when that draft's worth pays its head
+# forward and this share of its verify row: the plan makes the final cut with
+# the draft's own confidence, which the average at its depth hides, so the
+# chain errs on the side of offering one draft too many.
+ROW_SHARE = 0.5
 # A chain worth less than its head forward rests: the head is fed the held
 # rows, all in one forward, and drafts again only after ``EXPLORE_EVERY``
 # steps (to learn whether the chain pays again; twice as long after each look
 # that finds it does not, up to ``EXPLORE_MAX``) or once ``HOLD_MAX`` rows wait.
 VALUE_ALPHA = 0.2
+RUN_VALUE_ALPHA = 0.02
 EXPLORE_EVERY = 8
 EXPLORE_MAX = 64
 HOLD_MAX = 512
@@ -128,7 +130,7 @@ class SeqBudget:
     chain_keys: list[Key] = field(default_factory=list)  # one per MTP draft, in order
     chain_odds: float = 1.0  # the chance every chain draft so far is accepted
     # Expected tokens a step the chain added over the other source: decayed
-    # over the steps whose plan could choose it; hopeful at first.
+    # over the steps whose plan could choose it; at first, the run's figure.
     chain_value: float = 1.0
     since_chain: int = 0  # steps since the chain last drafted
     explore_every: int = EXPLORE_EVERY  # steps between looks while it rests
@@ -198,6 +200,7 @@ class DraftBudget:
         self.rates = Rates(RUN_DECAY, RUN_STRENGTH)
         self.rate_s = 0.0  # tokens/s the last plan predicted
         self.marginal_s = 0.0  # one more verify row per sequence, per row
+        self.chain_value = 1.0  # what the chain has added per sequence-step, run-wide
         self._chosen: dict[str, Counter[int]] = {"mtp": Counter(), "copy": Counter()}
         self._none = 0
         self._predicted_s = self._measured_s = 0.0
@@ -205,8 +208,12 @@ class DraftBudget:
         self._plan: Plan | None = None
 
     def for_seq(self, seq: SeqState) -> SeqBudget:
+        """A sequence's budget; a new one starts from what the chain has been
+        worth to the run so far."""
         if seq.budget is None:
-            seq.budget = SeqBudget(Rates(SEQ_DECAY, SEQ_STRENGTH, self.rates))
+            seq.budget = SeqBudget(
+                Rates(SEQ_DECAY, SEQ_STRENGTH, self.rates), chain_value=self.chain_value
+            )
         return seq.budget
 
     # -- the plan -------------------------------------------------------------
@@ -254,6 +261,7 @@ class DraftBudget:
             value = max(opts[0][n - 1] - other - rows_cost, 0.0)
         budget = self.for_seq(seq)
         budget.chain_value += VALUE_ALPHA * (value - budget.chain_value)
+        self.chain_value += RUN_VALUE_ALPHA * (value - self.chain_value)
 
     def wants_chain(self, seq: SeqState, live: int) -> bool:
         """Whether the head drafts for ``seq`` after this verify: while the
@@ -297,7 +305,7 @@ class DraftBudget:
         budget = self.for_seq(seq)
         worth = budget.chain_odds * budget.rates.rate(("mtp", depth))
         head = self.costs.head.predict(live) / max(live, 1)
-        return worth * DEEPER_SLACK >= self.rate_s * (self.marginal_s + head)
+        return worth >= self.rate_s * (ROW_SHARE * self.marginal_s + head)
 
     # -- what happened --------------------------------------------------------
 
