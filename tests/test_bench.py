@@ -28,7 +28,7 @@ CONFIG_KEYS = {
     "hf-greedy-b1",
     "hf-lookup-b1",
     "hf-greedy-b2",
-    *(f"metrale-{m}-b{b}" for m in ("off", "mtp", "lookup", "both") for b in (1, 2)),
+    *(f"metrale-{m}-b{b}" for m in ("off", "mtp", "lookup", "both", "auto") for b in (1, 2)),
 }
 # Lines that repeat themselves, so prompt lookup finds copies to propose.
 LINES = [
