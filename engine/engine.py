@@ -366,7 +366,8 @@ class Engine:
             except GrammarError as exc:
                 seq.fail(str(exc))
                 continue
-            spent.produced[seq.slot] = [*drafts[len(seq.forced_drafts) : accepted], bonus]
+            if self._budget is not None:
+                spent.produced[seq.slot] = [*drafts[len(seq.forced_drafts) : accepted], bonus]
             self._count_drafts(seq, accepted)
             before = len(seq.history)
             seq.emit([*drafts[:accepted], bonus], self._decode)

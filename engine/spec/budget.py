@@ -37,6 +37,7 @@ draw, and later ones by their depth alone.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -170,6 +171,26 @@ class SeqBudget:
 
 def _copy_key(position: int) -> Key:
     return ("copy", min(position, COPY_POSITIONS))
+
+
+def _copy_keys(drafts: int) -> list[Key]:
+    return [_copy_key(j) for j in range(1, drafts + 1)]
+
+
+def _prefix(agreed: Sequence[bool]) -> list[bool]:
+    """``agreed`` up to its first False: the drafts a verify would accept."""
+    return list(itertools.takewhile(bool, agreed))
+
+
+def _score(rates: Rates, keys: Sequence[Key], proposed: int, accepted: int) -> None:
+    """Observes drafts ``1..proposed`` of ``keys`` after a verify that accepted
+    the first ``accepted``: each one reached (all before it accepted) counts,
+    and an MTP draft's confidence bin counts for its depth too."""
+    for j in range(min(proposed, accepted + 1, len(keys))):
+        ok = j < accepted
+        rates.observe(keys[j], ok)
+        if len(keys[j]) == 3:
+            rates.observe(keys[j][:2], ok)
 
 
 def _cumulative(odds: Iterable[float]) -> list[float]:
@@ -309,39 +330,22 @@ class DraftBudget:
 
     # -- what happened --------------------------------------------------------
 
-    def observe(self, seq: SeqState, produced: Sequence[int], chain: Sequence[int]) -> None:
+    def observe(
+        self, seq: SeqState, produced: Sequence[int], chain: Sequence[int], copy: Sequence[int]
+    ) -> None:
         """Scores a greedy sequence's chain and copy drafts against the tokens
-        its verify ``produced`` after the sure rows (module doc)."""
+        its verify ``produced`` after the sure rows (module doc): each draft
+        agrees with greedy output exactly when the verify would accept it."""
         budget = self.for_seq(seq)
-        for j, token in enumerate(chain[: len(produced)]):
-            key = budget.chain_keys[j]
-            accepted = token == produced[j]
-            budget.rates.observe(key, accepted)
-            if len(key) == 3:
-                budget.rates.observe(key[:2], accepted)
-            if not accepted:
-                break
-
-    def observe_copy(self, seq: SeqState, produced: Sequence[int], copy: Sequence[int]) -> None:
-        budget = self.for_seq(seq)
-        for j, token in enumerate(copy[: len(produced)], 1):
-            accepted = token == produced[j - 1]
-            budget.rates.observe(_copy_key(j), accepted)
-            if not accepted:
-                break
+        for keys, drafts in ((budget.chain_keys, chain), (_copy_keys(len(copy)), copy)):
+            agreed = [d == t for d, t in zip(drafts, produced, strict=False)]
+            _score(budget.rates, keys, len(agreed), len(_prefix(agreed)))
 
     def observe_counts(self, seq: SeqState, source: str, proposed: int, accepted: int) -> None:
         """A sampled sequence's verified drafts: only what was verified is known."""
         budget = self.for_seq(seq)
-        for j in range(1, min(proposed, accepted + 1) + 1):
-            ok = j <= accepted
-            if source == "copy":
-                budget.rates.observe(_copy_key(j), ok)
-            else:
-                key = budget.chain_keys[j - 1]
-                budget.rates.observe(key, ok)
-                if len(key) == 3:
-                    budget.rates.observe(key[:2], ok)
+        keys = budget.chain_keys if source == "mtp" else _copy_keys(proposed)
+        _score(budget.rates, keys, proposed, accepted)
 
     def end_step(self, measured_s: float, verify_s: float) -> None:
         """A step that verified: its measured time against the plan's."""

@@ -36,7 +36,6 @@ class Offer:
     """What a sequence was offered this step, for scoring after the verify."""
 
     seq: SeqState
-    forced: int  # forced drafts ahead of the chosen ones
     source: str  # "mtp", "copy" or "none"
     drafts: int  # of the chosen source
     chain: list[int]
@@ -81,7 +80,7 @@ def take_planned_drafts(
                 lookup.abandon()
             probs = seq.pending_probs
             seq.set_drafts(c.chain[:n], probs[:n] if probs is not None and n else None)
-        offers.append(Offer(seq, len(seq.forced_drafts), source, n, c.chain, c.copy))
+        offers.append(Offer(seq, source, n, c.chain, c.copy))
     return took, offers
 
 
@@ -99,7 +98,6 @@ def score_offers(
         if tokens is None:
             continue
         if seq.request.params.greedy:
-            budget.observe(seq, tokens, offer.chain)
-            budget.observe_copy(seq, tokens, offer.copy)
+            budget.observe(seq, tokens, offer.chain, offer.copy)
         elif offer.source != "none":
             budget.observe_counts(seq, offer.source, offer.drafts, len(tokens) - 1)

@@ -135,11 +135,10 @@ class CostModel:
         self._other_seen = False
         self.calibrated = False
 
-    def step_s(self, rows: int, head_forwards: int = 0, head_rows: int = 1) -> float:
-        """Predicted seconds of a step that verifies ``rows`` rows and runs the
-        head ``head_forwards`` times over ``head_rows`` rows each."""
-        head = head_forwards * self.head.predict(head_rows) if head_forwards else 0.0
-        return self.verify.predict(rows) + head + self.other_s
+    def step_s(self, rows: int) -> float:
+        """Predicted seconds of a step that verifies ``rows`` rows (the head's
+        forwards are part of ``other_s``, the step beyond its verify)."""
+        return self.verify.predict(rows) + self.other_s
 
     def observe_other(self, seconds: float) -> None:
         seconds = max(seconds, 0.0)
