@@ -143,7 +143,11 @@ class RuntimeConfig:
     ``device``/``dtype`` of ``None`` pick the defaults (CUDA with bfloat16 when
     available, else the CPU default documented in the README). ``max_len`` of
     ``None`` uses the model's context length, capped by ``kv_budget_mb`` when
-    that is set. ``mtp=False`` skips loading MTP layers. ``weights="auto"``
+    that is set. ``kv_cache_gb`` (GiB, main + MTP caches of all slots) sizes
+    slots x positions by ``runtime/kv_sizing.py``'s rule; left ``None``, a
+    CUDA device gives the cache ``kv_cache_fraction`` of its free memory
+    after the weights, and the CPU keeps ``num_slots`` x ``max_len``.
+    ``mtp=False`` skips loading MTP layers. ``weights="auto"``
     runs the linear weights a folder also holds packed (``packed.py``) in the
     packed-weight kernel when on the CPU in float32; ``"dense"`` never does.
     ``mtp_head`` is a head written by ``metrale train-mtp`` (its stem, either
@@ -156,6 +160,8 @@ class RuntimeConfig:
     num_slots: int = 16
     max_len: int | None = None
     kv_budget_mb: float | None = None
+    kv_cache_gb: float | None = None
+    kv_cache_fraction: float = 0.9
     mtp: bool = True
     weights: str = "auto"
     mtp_head: Path | None = None
@@ -166,6 +172,12 @@ class RuntimeConfig:
             raise ValueError(f"num_slots must be at least 1, got {self.num_slots}")
         if self.max_len is not None and self.max_len < 2:
             raise ValueError(f"max_len must be at least 2, got {self.max_len}")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise ValueError(f"kv_cache_gb must be more than 0, got {self.kv_cache_gb}")
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.kv_cache_gb is not None and self.kv_budget_mb is not None:
+            raise ValueError("kv_cache_gb: set it or kv_budget_mb, not both")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
         if self.weights not in ("auto", "dense"):
