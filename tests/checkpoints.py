@@ -302,7 +302,9 @@ def load_reference_model(path: Path) -> Any:
     return model
 
 
-def build_runtime(path: Path, num_slots: int = 4, max_len: int = 96) -> LlamaModel:
+def build_runtime(
+    path: Path, num_slots: int = 4, max_len: int = 96, headroom: int = 0
+) -> LlamaModel:
     """metrale's runtime of a checkpoint folder, float32 on the CPU."""
     ckpt = read_checkpoint(path)
     return LlamaModel(
@@ -313,6 +315,7 @@ def build_runtime(path: Path, num_slots: int = 4, max_len: int = 96) -> LlamaMod
         max_len=max_len,
         dtype=torch.float32,
         device=torch.device("cpu"),
+        headroom=headroom,
     )
 
 

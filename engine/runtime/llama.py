@@ -49,6 +49,7 @@ from metrale.engine.runtime.moe import moe_mlp
 from metrale.engine.runtime.ops import Weight, linear, rms_norm
 from metrale.engine.runtime.packed import PackedSource
 from metrale.engine.runtime.rope import RopeTable, apply_rope
+from metrale.engine.runtime.static_step import static_plan
 from metrale.engine.runtime.weights import WeightStore
 
 # Query rows per segment up to which the C kernel attends (decode and verify
@@ -64,18 +65,34 @@ class DecoderStack:
     one layer with its own cache.
     """
 
-    def __init__(self, spec: ArchSpec, blocks: list[BlockWeights], cache: KVCache) -> None:
+    def __init__(
+        self,
+        spec: ArchSpec,
+        blocks: list[BlockWeights],
+        cache: KVCache,
+        *,
+        kernels: bool = True,
+    ) -> None:
+        """``kernels=False``: torch ops only, never the C kernels, as on a GPU
+        (the device step's static forward runs so on the CPU too)."""
         self.spec = spec
         self.blocks = blocks
         self.cache = cache
         self.group = spec.num_heads // spec.num_kv_heads
         some = cache.keys[0] if isinstance(cache, SlotKVCache) else cache.entries[0]
         cpu_float32 = some.device.type == "cpu" and some.dtype == torch.float32
-        self.kernel: PackedKernel | None = packed_kernel() if cpu_float32 else None
+        self.kernel: PackedKernel | None = packed_kernel() if cpu_float32 and kernels else None
         # Every layer in one C call for decode and verify steps (None: layer by layer).
         self.fused = None
         if isinstance(cache, SlotKVCache):
             self.fused = FusedLayers.build(spec, blocks, cache, self.kernel)
+        self._torch: DecoderStack | None = None if self.kernel is not None else self
+
+    def torch_ops(self) -> DecoderStack:
+        """This stack over the same blocks and cache in torch ops only."""
+        if self._torch is None:
+            self._torch = DecoderStack(self.spec, self.blocks, self.cache, kernels=False)
+        return self._torch
 
     def run(self, x: torch.Tensor, plan: RowPlan, rope: RopeTable) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden]`` through every block; returns the new residual."""
@@ -237,13 +254,18 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         packed: PackedSource | None = None,
+        headroom: int = 0,
     ) -> None:
-        """``packed``: linear weights to run packed (CPU, float32 only)."""
+        """``packed``: linear weights to run packed (CPU, float32 only).
+        ``headroom``: cache positions per slot past ``max_len``, where the
+        device step's padded rows write (``static_step.py``); no segment of
+        ``forward`` reaches them."""
         self.spec = spec
         self.dtype = dtype
         self._device = device
         self._num_slots = num_slots
         self._max_len = max_len
+        self.headroom = headroom
 
         def get(name: str) -> torch.Tensor:
             return store.get(name).to(device=device, dtype=dtype)
@@ -264,9 +286,9 @@ class LlamaModel:
             load_block(store, f"model.layers.{i}.", spec, dtype, device, packed=packed, layer=i)
             for i in range(spec.num_layers)
         ]
-        cache = make_cache(spec, spec.num_layers, num_slots, max_len, dtype, device)
+        cache = make_cache(spec, spec.num_layers, num_slots, max_len + headroom, dtype, device)
         self.stack = DecoderStack(spec, blocks, cache)
-        self.rope = RopeTable(hf_config, spec.rope_dim, max_len, dtype, device)
+        self.rope = RopeTable(hf_config, spec.rope_dim, max_len, dtype, device, headroom)
 
     @property
     def num_slots(self) -> int:
@@ -300,6 +322,21 @@ class LlamaModel:
         hidden = self.stack.run(x, plan, self.rope)  # [num_tokens, hidden], pre-norm
         rows = hidden if logits == "all" else hidden.index_select(0, plan.last_rows)
         return ForwardOutput(logits=self.logits(rows), hidden=hidden)
+
+    @torch.inference_mode()
+    def forward_static(
+        self,
+        tokens: torch.Tensor,  # [B, W] int64 on the device
+        starts: torch.Tensor,  # [B] int64 on the device
+        ctx: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device step's forward over slots ``0..B-1`` (``static_step.py``):
+        ``(logits [B * W, vocab] float32, hidden [B * W, hidden])``, no host read."""
+        _, width = tokens.shape
+        plan = static_plan(starts, width, ctx, self.spec.sliding_window)
+        x = self.head.embed(tokens.reshape(-1))  # [B * W, hidden]
+        hidden = self.stack.torch_ops().run(x, plan, self.rope)
+        return self.logits(hidden), hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[rows, hidden]`` -> ``[rows, vocab]`` float32."""

@@ -59,6 +59,7 @@ from metrale.engine.runtime.llama import DecoderStack, LlamaModel
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
 from metrale.engine.runtime.ops import Weight, linear, rms_norm
 from metrale.engine.runtime.packed import PackedSource, PackedWeight
+from metrale.engine.runtime.static_step import static_plan
 from metrale.engine.runtime.weights import WeightStore
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next", "head")
@@ -126,7 +127,8 @@ class MtpLayer:
         spec = model.spec
         self.model = model
         self.weights = weights
-        cache = make_cache(spec, 1, model.num_slots, model.max_len, model.dtype, model.device)
+        positions = model.max_len + model.headroom
+        cache = make_cache(spec, 1, model.num_slots, positions, model.dtype, model.device)
         self.stack = DecoderStack(spec, [weights.block], cache)
         lm_head = weights.lm_head if weights.lm_head is not None else model.head.lm_head
         self.draft_vocab = weights.draft_vocab
@@ -160,12 +162,34 @@ class MtpLayer:
         hidden: torch.Tensor,  # [num_tokens, hidden_size], rows in segment order
         logits: LogitRows = "all",
     ) -> ForwardOutput:
-        model, w, eps = self.model, self.weights, self.model.spec.rms_norm_eps
+        model = self.model
         plan = plan_rows(
             segments, model.num_slots, model.max_len, model.device, model.spec.sliding_window
         )
         assert hidden.shape[0] == plan.num_tokens, "one hidden row per segment token"
-        emb = rms_norm(model.head.embed(plan.token_ids), w.token_norm, eps)
+        y = self.stack.run(self._input(plan.token_ids, hidden), plan, model.rope)
+        rows = y if logits == "all" else y.index_select(0, plan.last_rows)
+        return ForwardOutput(logits=self._logits(rows), hidden=y)
+
+    @torch.inference_mode()
+    def forward_static(
+        self,
+        tokens: torch.Tensor,  # [B, W] int64 on the device: the token after each row
+        hidden: torch.Tensor,  # [B * W, hidden_size], slot-major
+        starts: torch.Tensor,  # [B] int64 on the device
+        ctx: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` at the device step's static shape (``static_step.py``):
+        ``(logits [B * W, vocab] float32, hidden [B * W, hidden])``, no host read."""
+        model = self.model
+        plan = static_plan(starts, tokens.shape[1], ctx, model.spec.sliding_window)
+        y = self.stack.torch_ops().run(self._input(tokens.reshape(-1), hidden), plan, model.rope)
+        return self._logits(y), y
+
+    def _input(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The block's input rows: ``proj`` of the normed embedding and hidden."""
+        model, w, eps = self.model, self.weights, self.model.spec.rms_norm_eps
+        emb = rms_norm(model.head.embed(token_ids), w.token_norm, eps)
         hidden = hidden.to(model.dtype)
         if w.input_norm is not None:
             hidden = rms_norm(hidden, w.input_norm, eps)
@@ -173,13 +197,15 @@ class MtpLayer:
         both = torch.cat(
             [hid, emb] if w.hidden_first else [emb, hid], dim=-1
         )  # [num_tokens, 2 * hidden]
-        y = self.stack.run(linear(both, w.proj), plan, model.rope)  # [num_tokens, hidden]
-        rows = y if logits == "all" else y.index_select(0, plan.last_rows)
+        return linear(both, w.proj)
+
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
+        w, eps = self.weights, self.model.spec.rms_norm_eps
         out = linear(rms_norm(rows, w.final_norm, eps), self.lm_head).float()
         if self.draft_vocab is not None:  # tokens outside it are never drafted
-            full = out.new_full((out.shape[0], model.vocab_size), float("-inf"))
+            full = out.new_full((out.shape[0], self.model.vocab_size), float("-inf"))
             out = full.index_copy_(1, self.draft_vocab, out)
-        return ForwardOutput(logits=out, hidden=y)
+        return out
 
 
 def load_checkpoint_mtp(

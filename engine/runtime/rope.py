@@ -55,9 +55,12 @@ class RopeTable:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        headroom: int = 0,
     ) -> None:
+        """``headroom``: rows past ``max_len`` for the device step's padded
+        rows; the frequencies stay those of ``max_len``."""
         inv_freq, factor = inverse_frequencies(config, head_dim, max_len)
-        positions = torch.arange(max_len, dtype=torch.int64).float()
+        positions = torch.arange(max_len + headroom, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]  # [max_len, head_dim / 2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
         self.cos = (angles.cos() * factor).to(device=device, dtype=dtype)
