@@ -5,9 +5,12 @@ got back one target row per fed token; row ``i`` predicts the token after
 ``d_i`` (row 0: after ``last_token``). The functions here return
 ``(accepted, bonus)``: the first ``accepted`` drafts are kept and ``bonus`` is
 the model's own token after them, so a verify always emits ``accepted + 1``
-tokens. Both rules are lossless: the emitted tokens are what plain decoding
-would give (greedy) or are distributed exactly as plain sampling (sampled),
-whatever the drafts were.
+tokens. ``accept_sampled_with`` is the sampled rule with its uniforms handed
+in: the scalar statement of what ``device_accept.accept_sampled_rows`` does to
+each row, so the two give the same tokens from the same uniforms. The rules
+are lossless: the emitted tokens are what plain decoding would give (greedy)
+or are distributed exactly as plain sampling (sampled), whatever the drafts
+were.
 """
 
 from __future__ import annotations
@@ -76,3 +79,53 @@ def accept_sampled(
         # float underflow there falls back to p itself.
         return i, draw(residual / mass if mass > 0.0 else p, generator)
     return num_drafts, draw(target[num_drafts], generator)
+
+
+def accept_sampled_with(
+    draft_ids: Sequence[int],
+    draft_probs: torch.Tensor | None,  # [num_drafts, vocab]; None: every draft one-hot (a copy)
+    target: torch.Tensor,  # [num_drafts + 1, vocab] target distributions
+    accept_u: Sequence[float],  # one U[0, 1) draw a draft (at least num_drafts)
+    draw_u: float,  # the U[0, 1) draw of the emitted token
+) -> tuple[int, int]:
+    """``accept_sampled`` with its uniforms given instead of a generator.
+
+    Draft ``i`` is tested with ``accept_u[i]``, and the emitted token is drawn
+    by inverse CDF with ``draw_u`` (``draw_inverse_cdf``) from the
+    unnormalised residual, which is the same distribution as drawing from the
+    normalised one.
+    """
+    num_drafts = len(draft_ids)
+    assert target.shape[0] == num_drafts + 1, "one target row per fed token"
+    assert len(accept_u) >= num_drafts, "one uniform a draft"
+    for i, draft in enumerate(draft_ids):
+        p = target[i]  # [vocab]
+        q_draft = 1.0 if draft_probs is None else float(draft_probs[i, draft])
+        if q_draft > 0.0 and accept_u[i] * q_draft < float(p[draft]):
+            continue
+        if draft_probs is None:
+            residual = p.clone()
+            residual[draft] = 0.0
+        else:
+            residual = torch.clamp(p - draft_probs[i], min=0.0)
+        return i, draw_inverse_cdf(residual if float(residual.sum()) > 0.0 else p, draw_u)
+    return num_drafts, draw_inverse_cdf(target[num_drafts], draw_u)
+
+
+def draw_inverse_cdf(
+    probs: torch.Tensor,  # [vocab] float32, non-negative, need not sum to 1
+    u: float,  # U[0, 1)
+) -> int:
+    """The first token of positive probability whose cumulative sum exceeds
+    ``u * total``; the last token of positive probability when none does
+    (``u`` rounded up to 1). The threshold is a float32 product, as on the
+    device."""
+    cdf = torch.cumsum(probs, dim=0)  # [vocab]
+    threshold = cdf[-1] * torch.tensor(u, dtype=torch.float32)  # 0-d
+    positive = probs > 0  # [vocab]
+    above = torch.nonzero((cdf > threshold) & positive)  # [num_above, 1]
+    if above.numel() > 0:
+        return int(above[0, 0])
+    last = torch.nonzero(positive)  # [num_positive, 1]
+    assert last.numel() > 0, "a draw needs some probability mass"
+    return int(last[-1, 0])
