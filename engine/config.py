@@ -99,7 +99,11 @@ class EngineConfig:
     tokens (``spec/constrained.py``); False decodes them one verify each.
     ``draft_policy``: ``"auto"`` sizes each sequence's drafts every step by
     the measured verify cost and live acceptance (``spec/budget.py``);
-    ``"fixed"`` keeps the ladder and the copy windows' own lengths."""
+    ``"fixed"`` keeps the ladder and the copy windows' own lengths.
+    ``step_path``: ``"device"`` runs each step's verify, acceptance and MTP
+    chain as device tensor ops with one readback (``device_step.py``; the
+    fixed policy drafts there); ``"host"`` the step that decides on the host;
+    ``"auto"`` the device step on CUDA, the host step on the CPU."""
 
     max_batch: int = 16
     prefill_chunk: int = 512
@@ -110,8 +114,11 @@ class EngineConfig:
     shared_lookup: SharedLookupSettings = field(default_factory=SharedLookupSettings)
     forced_drafts: bool = True
     draft_policy: str = "auto"
+    step_path: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.step_path not in ("auto", "host", "device"):
+            raise ValueError(f"step_path must be auto, host or device, got {self.step_path!r}")
         if self.draft_policy not in ("auto", "fixed"):
             raise ValueError(f"draft_policy must be auto or fixed, got {self.draft_policy!r}")
         if self.max_batch < 1:

@@ -33,6 +33,7 @@ import torch
 
 from metrale.engine.api import Grammar, Request, Result
 from metrale.engine.config import EngineConfig
+from metrale.engine.device_step import MAX_WIDTH, VerifyRow, device_step_for
 from metrale.engine.load.home import metrale_home
 from metrale.engine.runtime.model import Model, MtpModule, Segment
 from metrale.engine.sampling import draw, make_generator, target_probs
@@ -100,11 +101,22 @@ class Engine:
         self._tokenizer = tokenizer
         self._grammars = grammars
         self._grammars_problem: str | None = None
-        auto = config.draft_policy == "auto"
+        mtp = mtp if config.mtp else ()
+        self._device = device_step_for(model, mtp, config)
+        # The device step drafts by the fixed rules; the budget is the host's.
+        auto = config.draft_policy == "auto" and self._device is None
         self._budget = DraftBudget(costs or CostModel()) if auto else None
         self._drafter = (
-            MtpDrafter(mtp, config.mtp_min_prob, self._budget) if mtp and config.mtp else None
+            MtpDrafter(mtp, config.mtp_min_prob, self._budget)
+            if mtp and self._device is None
+            else None
         )
+        self._has_mtp = bool(mtp)
+        self._lookup = config.prompt_lookup
+        if self._device is not None and self._lookup is not None:
+            # A device verify is at most MAX_WIDTH rows (device_step.py).
+            max_drafts = min(self._lookup.max_drafts, MAX_WIDTH - 1)
+            self._lookup = dataclasses.replace(self._lookup, max_drafts=max_drafts)
         # Under the budget a chain may be as long as the ladder's longest.
         self._chain_cap = max([config.mtp_ladder.beyond, *(d for _, d in config.mtp_ladder.steps)])
         self._eos = frozenset(eos_token_ids)
@@ -220,7 +232,11 @@ class Engine:
         self._admit()
         done = self._prefill_chunk()
         batch = [s for s in self._decoding if not s.finished]
-        if batch:
+        if batch and self._device is not None:
+            took = self._take_drafts(batch)
+            self._verify_on_device(batch)
+            settle_copies(took, self._shared, self._copies)
+        elif batch:
             # 2. Copies: prompt lookup may replace the drafts of some sequences
             # (under the budget, the plan picks each one's source and length);
             # under a grammar, forced tokens come first and every draft is checked.
@@ -253,31 +269,53 @@ class Engine:
             _truncate_drafts(seq, min(cap, seq.draft_capacity()))
         self._constrain(batch, lambda seq: take_forced(seq, forced))
         if budget is not None:
-            took, self._offers = take_planned_drafts(
-                batch, budget, self.config.prompt_lookup, self._shared
-            )
+            took, self._offers = take_planned_drafts(batch, budget, self._lookup, self._shared)
             return took
-        mtp_drafting = self._drafter is not None and cap > 0
-        return take_rounds_with_copies(
-            batch, self.config.prompt_lookup, self._shared, cap, mtp_drafting
-        )
+        mtp_drafting = self._has_mtp and cap > 0
+        return take_rounds_with_copies(batch, self._lookup, self._shared, cap, mtp_drafting)
 
     def _admit(self) -> None:
+        if self._device is not None:
+            # The device step's batch is the lowest slots (device_step.py).
+            self._free_slots.sort(reverse=True)
         while self._free_slots and self._waiting:
             request = self._waiting.popleft()
             params = request.params
-            self._prefilling.append(
-                SeqState(
-                    request=request,
-                    slot=self._free_slots.pop(),
-                    max_len=self._max_len,
-                    eos_ids=self._eos | frozenset(params.eos_token_ids),
-                    scope=self._scope_key(request),
-                    generator=None if params.greedy else make_generator(params.seed),
-                    grammar=self._matcher(request.grammar),
-                )
+            seq = SeqState(
+                request=request,
+                slot=self._free_slots.pop(),
+                max_len=self._max_len,
+                eos_ids=self._eos | frozenset(params.eos_token_ids),
+                scope=self._scope_key(request),
+                generator=None if params.greedy else self._generator(params.seed),
+                grammar=self._matcher(request.grammar),
             )
             self._counters.prompt_tokens += len(request.prompt_ids)
+            if self._device is not None and seq.prompt_len == 1:
+                self._decoding.append(seq)  # nothing before its last token to prefill
+            else:
+                self._prefilling.append(seq)
+
+    def _generator(self, seed: int | None) -> torch.Generator:
+        """A sampled request's generator: on the model's device under the
+        device step, which draws there (``spec/device_accept.py``)."""
+        if self._device is None:
+            return make_generator(seed)
+        gen = torch.Generator(device=self.model.device)
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seed)
+        return gen
+
+    def graph_shapes(self) -> list[tuple[Any, ...]]:
+        """The shapes the device step captured as CUDA graphs (none elsewhere)."""
+        return self._device.graph_shapes() if self._device is not None else []
+
+    @property
+    def step_path(self) -> str:
+        """``device`` or ``host``: which step this engine runs (``EngineConfig.step_path``)."""
+        return "device" if self._device is not None else "host"
 
     def _matcher(self, grammar: Grammar | None) -> GrammarMatcher | None:
         if grammar is None:
@@ -300,10 +338,12 @@ class Engine:
         sequence whose prompt is complete samples its first token and starts
         decoding; returned are those that finished right there."""
         budget, segments, chunked = self.config.prefill_chunk, [], []
+        # The device step leaves the prompt's last token to the first verify.
+        short = 1 if self._device is not None else 0
         for seq in self._prefilling:
             if budget == 0:
                 break
-            take = min(budget, seq.prompt_len - seq.seq_len)
+            take = min(budget, seq.prompt_len - short - seq.seq_len)
             segments.append(Segment(seq.slot, seq.seq_len, seq.history[seq.seq_len :][:take]))
             chunked.append(seq)
             budget -= take
@@ -320,12 +360,17 @@ class Engine:
         for row, (seq, seg) in enumerate(zip(chunked, segments, strict=True)):
             start, fed = seq.seq_len, len(seg.token_ids)
             seq.seq_len += fed
-            complete = seq.seq_len == seq.prompt_len
+            complete = seq.seq_len == seq.prompt_len - short
             if complete:
                 self._prefilling.remove(seq)
-                self._emit_first(seq, out.logits[row])
+                if self._device is None:
+                    self._emit_first(seq, out.logits[row])
                 (done if seq.finished else self._decoding).append(seq)
-            if self._drafter is not None and not seq.finished:
+            if self._device is not None and self._has_mtp:
+                next_ids = seq.history[start + 1 : seq.seq_len + 1]  # prompt tokens only
+                feeds.append(DraftFeed(seq, start, next_ids, 0))
+                rows.extend(range(at, at + fed))
+            elif self._drafter is not None and not seq.finished:
                 # Position p gets token p+1: the next prompt token, or the
                 # sampled first token at the prompt's last position.
                 next_ids = seq.history[start + 1 : seq.seq_len + 1]
@@ -333,9 +378,15 @@ class Engine:
                 feeds.append(DraftFeed(seq, start, next_ids, num_drafts))
                 rows.extend(range(at, at + fed))
             at += fed
-        if self._drafter is not None and feeds:
+        if feeds:
             index = torch.tensor(rows, dtype=torch.long, device=out.hidden.device)
-            self._drafter.feed_and_draft(feeds, out.hidden[index])
+            if self._device is not None:
+                self._device.feed_prompt(
+                    [Segment(f.seq.slot, f.start, f.next_ids) for f in feeds], out.hidden[index]
+                )
+            else:
+                assert self._drafter is not None
+                self._drafter.feed_and_draft(feeds, out.hidden[index])
         self._spent.prefill_s = self._clock() - began
         return done
 
@@ -368,18 +419,54 @@ class Engine:
                 continue
             if self._budget is not None:
                 spent.produced[seq.slot] = [*drafts[len(seq.forced_drafts) : accepted], bonus]
-            self._count_drafts(seq, accepted)
-            before = len(seq.history)
-            seq.emit([*drafts[:accepted], bonus], self._decode)
-            seq.seq_len += accepted + 1
-            seq.set_drafts([], None)
-            seq.stats.verifies += 1
-            seq.stats.verify_tokens += accepted + 1
-            counters.seq_verifies += 1
-            counters.verify_tokens += accepted + 1
-            counters.generated_tokens += len(seq.history) - before
-            self._advance_grammar(seq, seq.history[before:])
+            self._settle_verify(seq, [*drafts[:accepted], bonus])
         return out.hidden, first_rows
+
+    def _settle_verify(self, seq: SeqState, emitted: list[int]) -> None:
+        """A sequence's verify on the host: ``emitted`` are its kept drafts
+        and the bonus token; counts them, emits them, advances ``seq_len``."""
+        accepted, counters = len(emitted) - 1, self._counters
+        self._count_drafts(seq, accepted)
+        before = len(seq.history)
+        seq.emit(emitted, self._decode)
+        seq.seq_len += accepted + 1
+        seq.set_drafts([], None)
+        seq.stats.verifies += 1
+        seq.stats.verify_tokens += accepted + 1
+        counters.seq_verifies += 1
+        counters.verify_tokens += accepted + 1
+        counters.generated_tokens += len(seq.history) - before
+        self._advance_grammar(seq, seq.history[before:])
+
+    def _verify_on_device(self, batch: list[SeqState]) -> None:
+        """Phases 3 and 5 on the device (``device_step.py``): one verify, the
+        acceptance and the next MTP chain, read back once; then each
+        sequence's bookkeeping on the host, as ``_verify`` does it."""
+        assert self._device is not None
+        chain = self._ladder_nd(len(batch))
+        rows = []
+        for seq in batch:
+            params = seq.request.params
+            rows.append(
+                VerifyRow(
+                    slot=seq.slot,
+                    start=seq.seq_len,
+                    tokens=[seq.last_token, *seq.pending_drafts],
+                    drafts_q=seq.pending_probs is not None,
+                    temperature=params.temperature,
+                    top_k=params.top_k,
+                    top_p=params.top_p,
+                    generator=seq.generator,
+                    chain=chain,
+                )
+            )
+        self._counters.verifies += 1
+        for seq, out in zip(batch, self._device.run(rows), strict=True):
+            self._settle_verify(seq, out.emitted)
+            if not seq.finished and out.drafts:
+                sampled = not seq.request.params.greedy
+                probs = self._device.draft_probs(seq.slot, len(out.drafts)) if sampled else None
+                seq.set_drafts(out.drafts, probs)
 
     def _accept(
         self,
@@ -500,6 +587,11 @@ class Engine:
                 f"lower max_tokens or raise the context length"
             )
         if request.grammar is not None:
+            if self._device is not None:
+                return (
+                    "structured outputs (a grammar) run on the host step only; this run uses "
+                    "the device step (--step-path device or CUDA): run it with --step-path host"
+                )
             return self._grammar_rejection(request)
         return None
 
@@ -526,7 +618,7 @@ class Engine:
         return ScopeKey(model=model, tokenizer=tokenizer, adapter=adapter, tenant=request.scope)
 
     def _ladder_nd(self, running: int) -> int:
-        return self.config.mtp_ladder.drafts_for(running) if self._drafter is not None else 0
+        return self.config.mtp_ladder.drafts_for(running) if self._has_mtp else 0
 
     def _chain_len(self, seq: SeqState, running: int) -> int:
         cap = self._ladder_nd(max(running, 1)) if self._budget is None else self._chain_cap

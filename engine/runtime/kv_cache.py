@@ -21,6 +21,7 @@ so that memory is only committed as positions are written.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -102,7 +103,7 @@ def plan_rows(
         ids.extend(seg.token_ids)
         positions.extend(range(seg.start, seg.start + n))
         token_slots.extend([seg.slot] * n)
-    ends = torch.tensor(lens).cumsum(0)
+    ends = list(itertools.accumulate(lens))  # host ints: no device read for the table
     ascending = slots == list(range(slots[0], slots[0] + num_segments))
 
     def as_tensor(values: list[int]) -> torch.Tensor:
@@ -126,12 +127,12 @@ def plan_rows(
         ctx_len=ctx_len,
         pad_index=pad_index,
         mask=mask,
-        last_rows=(ends - 1).to(device),
+        last_rows=as_tensor([end - 1 for end in ends]),
         lone=(slots[0], segments[0].start) if num_segments == 1 else None,
         segment_table=torch.tensor(
             [
                 (seg.slot, seg.start, n, int(end) - n)
-                for seg, n, end in zip(segments, lens, ends.tolist(), strict=True)
+                for seg, n, end in zip(segments, lens, ends, strict=True)
             ],
             dtype=torch.int64,
         ),

@@ -118,7 +118,8 @@ class GraphCache:
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
 
-    def keys(self) -> list[Hashable]:
+    def captured(self) -> list[Hashable]:
+        """The keys of the graphs held, oldest first."""
         return list(self._graphs)
 
     def run(self, key: Hashable, fn: StepFn, *inputs: Any) -> tuple[torch.Tensor, ...]:

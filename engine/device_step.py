@@ -1,0 +1,420 @@
+"""The device step: verify, acceptance and the MTP chain with one upload and one readback.
+
+Contract: ``DeviceStep.run(rows)`` takes each decoding sequence's verify row
+(``[last_token] + drafts`` at ``seq_len``, in its slot) and does, on the
+model's device and with no host read in between: one non-blocking upload of
+every input from a pinned buffer; the static forward of slots ``0..B-1`` at
+width ``W`` (``runtime/static_step.py``; a CUDA graph per shape on CUDA);
+acceptance as tensor ops (greedy: argmax and prefix compare; sampled:
+speculative sampling with the requests' own device generators,
+``spec/device_accept.py``); the MTP feed of every verified row and a chain
+of ``depth`` drafts from each slot's last final row (greedy: argmax under
+the ``min_prob`` mask; sampled: drawn from the module's shaped distribution,
+judged at the first position only, as ``spec/mtp.py`` explains); then one
+readback of accepted counts, emitted tokens and the next drafts. The host
+does the rest: stop strings, finish, prompt lookup and copies, and the next
+step's inputs. A copy is a one-hot draft; an MTP draft's distribution stays
+on the device, per slot, for the next step's sampled acceptance.
+
+Slots: the batch is slots ``0..B-1`` for the smallest bucket ``B`` holding
+every decoding slot, so the engine hands out the lowest free slot; a slot
+in that range that is not in ``rows`` (free, or prefilling) is pointed into
+the cache's headroom and changes nothing (``static_step.py``).
+
+The MTP feed runs every row of the verify at its static width. Module 0 at
+row ``p`` reads the verify's hidden row ``p`` and the token emitted after it,
+so rows up to the last accepted one are final; the rows past it read tokens
+that were not emitted, and the next step's feed, which starts right after
+the last final row, writes over them before anything reads them (the same
+rule as the host drafter's: a draft row is never kept). The chain then runs
+one row per depth at the positions after the last final row. One module
+only: a checkpoint with several runs on the host step.
+
+Why the first generated token comes from a verify: the device path's
+prefill feeds ``prompt[:-1]`` and leaves the prompt's last token as the
+sequence's ``last_token``, so the first verify samples the first token as
+every later one samples the next, with no readback in the prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from metrale.engine.config import EngineConfig
+from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
+from metrale.engine.runtime.static_step import (
+    WIDTHS,
+    GraphCache,
+    batch_buckets,
+    bucket,
+    ctx_bucket,
+)
+from metrale.engine.runtime.syncs import host_buffer, readback
+from metrale.engine.spec.device_accept import (
+    accept_greedy_rows,
+    accept_sampled_rows,
+    draw_rows,
+    request_uniforms,
+    target_probs_rows,
+)
+
+# A device verify is at most this wide: its cache headroom (static_step.py).
+MAX_WIDTH = WIDTHS[-1]
+
+
+def device_step_for(model: Any, mtp: Sequence[Any], config: EngineConfig) -> DeviceStep | None:
+    """The device step when ``config.step_path`` asks for it ("device"), or
+    by default on CUDA for a model it can run; ``ValueError`` naming why
+    when asked for a model it cannot run."""
+    path = config.step_path
+    if path == "host" or (path == "auto" and model.device.type != "cuda"):
+        return None
+    problem = _cannot_run(model, mtp)
+    if problem is not None:
+        if path == "device":
+            raise ValueError(f"step_path device: {problem}")
+        return None
+    ladder = config.mtp_ladder
+    return DeviceStep(
+        model,
+        mtp[0] if mtp else None,
+        num_slots=min(model.num_slots, config.max_batch),
+        max_depth=min(max([ladder.beyond, *(d for _, d in ladder.steps)]), MAX_WIDTH - 1),
+        min_prob=config.mtp_min_prob,
+        # MoE routing counts tokens per expert on the host: not capturable.
+        graphs=model.spec.moe is None,
+    )
+
+
+def _cannot_run(model: Any, mtp: Sequence[Any]) -> str | None:
+    """Why the device step cannot run ``model`` with ``mtp``; None when it can."""
+    spec = getattr(model, "spec", None)
+    if spec is None or not hasattr(model, "forward_static"):
+        return "this model has no static forward"
+    if spec.mla is not None:
+        return "MLA attention (DeepSeek-V3, GLM-4.7-Flash) runs on the host step only"
+    if len(mtp) > 1:
+        return f"{len(mtp)} stacked MTP modules run on the host step only (one module does)"
+    return None
+
+
+class StaticModel(Protocol):
+    """What the device step needs of the main model (``LlamaModel``)."""
+
+    headroom: int
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def max_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def forward_static(
+        self, tokens: torch.Tensor, starts: torch.Tensor, ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class StaticModule(Protocol):
+    """What the device step needs of an MTP module (``MtpLayer``)."""
+
+    def forward_static(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, starts: torch.Tensor, ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, segments: Sequence[Segment], hidden: torch.Tensor, logits: LogitRows = "all"
+    ) -> ForwardOutput: ...
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """One decoding sequence's part of a step (see module doc).
+
+    ``drafts_q``: the drafts are the MTP chain's own sampled drafts, whose
+    distributions the device step holds (False: greedy, or a copy).
+    ``temperature == 0``: greedy. ``generator``: the request's generator on
+    the device (sampled only). ``chain``: drafts to chain for the next step.
+    """
+
+    slot: int
+    start: int
+    tokens: Sequence[int]
+    drafts_q: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator | None
+    chain: int
+
+
+@dataclass(frozen=True)
+class VerifyOut:
+    """What the readback brought for one row: drafts kept, tokens emitted
+    (``accepted + 1``: the kept drafts and the bonus) and the next drafts."""
+
+    accepted: int
+    emitted: list[int]
+    drafts: list[int]
+
+
+class StaticStep:
+    """The main model's static forward, through a graph per shape on CUDA."""
+
+    def __init__(self, model: StaticModel, graphs: bool = True, max_graphs: int = 24) -> None:
+        self.model = model
+        self.graphs = GraphCache(model.device, graphs, max_graphs)
+
+    def forward(
+        self, tokens: torch.Tensor, starts: torch.Tensor, ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [B * W, vocab], hidden [B * W, hidden])`` of slots ``0..B-1``."""
+        key = ("verify", *tokens.shape, ctx)
+        logits, hidden = self.graphs.run(key, self.model.forward_static, tokens, starts, ctx)
+        return logits, hidden
+
+
+class DeviceStep:
+    """Buffers, graphs and the step itself (module doc)."""
+
+    def __init__(
+        self,
+        model: StaticModel,
+        module: StaticModule | None,
+        *,
+        num_slots: int,
+        max_depth: int,
+        min_prob: float,
+        graphs: bool,
+    ) -> None:
+        if model.headroom < MAX_WIDTH:
+            raise ValueError(
+                f"the device step needs {MAX_WIDTH} positions of cache headroom per slot; "
+                f"the model was loaded with {model.headroom}"
+            )
+        self.model, self.module = model, module
+        self.device = model.device
+        self.num_slots = num_slots
+        self.max_depth = max_depth if module is not None else 0
+        self.min_prob = min_prob
+        self.static = StaticStep(model, graphs)
+        self._buckets = batch_buckets(num_slots)
+        self._cache_len = model.max_len + model.headroom
+        # Upload: per slot W tokens and 7 words (module doc of _upload).
+        self._up = host_buffer((num_slots * (MAX_WIDTH + 7),), torch.int64, self.device)
+        # Readback: accepted, W emitted, depth drafts and their count per slot.
+        self._down = host_buffer(
+            (num_slots * (MAX_WIDTH + self.max_depth + 2),), torch.int64, self.device
+        )
+        # The chain's sampled drafts' distributions per slot: [slots, depth, vocab].
+        self._q: torch.Tensor | None = None
+
+    def graph_shapes(self) -> list[tuple[Any, ...]]:
+        """``(role, batch, width, ctx)`` of each captured graph (none off CUDA)."""
+        return [tuple(key) for key in self.static.graphs.captured()]  # type: ignore[arg-type]
+
+    def feed_prompt(self, segments: Sequence[Segment], hidden: torch.Tensor) -> None:
+        """Feeds prompt rows to the module (eager, like the prefill itself):
+        ``hidden`` ``[num_tokens, hidden]`` the prefill's rows, in segment order."""
+        if self.module is not None:
+            self.module.forward(segments, hidden, logits="last")
+
+    def draft_probs(self, slot: int, count: int) -> torch.Tensor:
+        """The device rows of a slot's sampled drafts (``SeqState.pending_probs``)."""
+        assert self._q is not None, "only sampled chains keep distributions"
+        return self._q[slot, :count]
+
+    @torch.inference_mode()
+    def run(self, rows: Sequence[VerifyRow]) -> list[VerifyOut]:
+        """One step over ``rows`` (module doc); results in ``rows`` order."""
+        batch = bucket(max(r.slot for r in rows) + 1, self._buckets)
+        width = bucket(max(len(r.tokens) for r in rows), WIDTHS)
+        depth = min(self.max_depth, max(r.chain for r in rows))
+        needed = max(r.start for r in rows) + width + depth
+        ctx = ctx_bucket(needed, self._cache_len)
+        sampled = any(r.temperature > 0 for r in rows)
+        inputs = self._upload(rows, batch, width)
+        tokens, starts, widths, one_hot, chain, top_k, temperature, top_p = inputs
+        logits, hidden = self.static.forward(tokens, starts, ctx)
+        # logits: [B * W, vocab]; hidden: [B * W, hidden]
+        by_slot: list[torch.Generator | None] = [None] * batch
+        for r in rows:
+            by_slot[r.slot] = r.generator
+        params = (temperature, top_k, top_p)
+        if sampled:
+            uniforms = request_uniforms(by_slot, width + depth, self.device)  # [B, W + depth]
+            target = target_probs_rows(logits, *(p.repeat_interleave(width) for p in params))
+            accepted = accept_sampled_rows(
+                tokens,
+                widths,
+                self._verify_q(batch, width),
+                one_hot,
+                target.view(batch, width, -1),
+                uniforms[:, : width - 1],
+                uniforms[:, width - 1],
+            )
+        else:
+            argmax = logits.argmax(dim=-1).view(batch, width)
+            accepted = accept_greedy_rows(tokens, widths, argmax)
+        out = [accepted.accepted, accepted.emitted.reshape(-1)]
+        if depth > 0:
+            assert self.module is not None
+            draft_u = uniforms[:, width:] if sampled else None
+            drafts, counts = self._chain(
+                accepted.accepted,
+                accepted.emitted,
+                hidden,
+                starts,
+                chain,
+                ctx,
+                depth,
+                params,
+                draft_u,
+            )
+            out += [drafts.reshape(-1), counts]
+        packed = torch.cat(out)
+        values = readback(packed, self._down[: packed.shape[0]]).tolist()
+        return _unpack(values, rows, batch, width, depth)
+
+    def _upload(self, rows: Sequence[VerifyRow], batch: int, width: int) -> list[torch.Tensor]:
+        """Writes every input into the pinned buffer and sends it in one copy:
+        ``tokens [B, W]``, then per slot ``start, width, one_hot, chain,
+        top_k`` and, as float64 bits, ``temperature, top_p``. A slot with no
+        row starts in the headroom, at width 0."""
+        size = batch * (width + 7)
+        host = self._up[:size]
+        host.zero_()
+        grid = host[: batch * width].view(batch, width)
+        fields = host[batch * width :].view(7, batch)
+        floats = fields[5:].view(torch.float64)  # temperature, top_p
+        fields[0].fill_(self._cache_len - MAX_WIDTH)  # the headroom (module doc)
+        floats[1].fill_(1.0)
+        for r in rows:
+            grid[r.slot, : len(r.tokens)] = torch.as_tensor(r.tokens)
+            fields[0, r.slot], fields[1, r.slot] = r.start, len(r.tokens)
+            fields[2, r.slot] = not r.drafts_q
+            fields[3, r.slot], fields[4, r.slot] = r.chain, r.top_k
+            floats[0, r.slot], floats[1, r.slot] = r.temperature, r.top_p
+        sent = host.to(self.device, non_blocking=True)
+        tokens = sent[: batch * width].view(batch, width)
+        words = sent[batch * width :].view(7, batch)
+        real = words[5:].view(torch.float64)  # float64: top_p near 1 must stay below it
+        return [
+            tokens,
+            words[0],
+            words[1],
+            words[2].bool(),
+            words[3],
+            words[4],
+            real[0],
+            real[1],
+        ]
+
+    def _verify_q(self, batch: int, width: int) -> torch.Tensor | None:
+        """``[B, W-1, vocab]``: each slot's MTP draft distributions, in the
+        columns its chain filled (the rest is never read: a slot whose
+        drafts are not the chain's is one-hot)."""
+        if self._q is None or width == 1:
+            return None
+        q = self._q[:batch, : width - 1]
+        if q.shape[1] < width - 1:
+            q = torch.nn.functional.pad(q, (0, 0, 0, width - 1 - q.shape[1]))
+        return q
+
+    def _chain(
+        self,
+        accepted: torch.Tensor,  # [B]
+        emitted: torch.Tensor,  # [B, W]: the token after each verified row
+        hidden: torch.Tensor,  # [B * W, hidden]
+        starts: torch.Tensor,  # [B]
+        chain: torch.Tensor,  # [B] drafts asked for
+        ctx: int,
+        depth: int,
+        params: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        draft_u: torch.Tensor | None,  # [B, depth]; None: greedy batch
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # drafts [B, depth], counts [B]
+        """Feeds every verified row to the module and chains ``depth`` drafts
+        from each slot's last final row (module doc)."""
+        module = self.module
+        assert module is not None
+        batch, width = emitted.shape
+        graphs, slots = self.static.graphs, torch.arange(batch, device=self.device)
+        logits, out = graphs.run(
+            ("feed", batch, width, ctx), module.forward_static, emitted, hidden, starts, ctx
+        )
+        # The last final row of each slot: row `accepted` of its W.
+        logits = logits.view(batch, width, -1)[slots, accepted]  # [B, vocab]
+        row_hidden = out.view(batch, width, -1)[slots, accepted]  # [B, hidden]
+        position = starts + accepted + 1  # where the chain's next row goes
+        last = self._cache_len - 1
+        drafts, sure = [], []
+        for k in range(depth):
+            draft, keep = self._draft(logits, k, params, draft_u)
+            drafts.append(draft)
+            sure.append(keep)
+            if k + 1 == depth:
+                break
+            logits, row_hidden = graphs.run(
+                ("chain", batch, 1, ctx),
+                module.forward_static,
+                draft[:, None],
+                row_hidden,
+                torch.clamp(position + k, max=last),
+                ctx,
+            )
+        kept = torch.stack(sure, dim=1).long().cumprod(dim=1).sum(dim=1)  # [B]
+        return torch.stack(drafts, dim=1), torch.minimum(kept, chain)
+
+    def _draft(
+        self,
+        logits: torch.Tensor,  # [B, vocab] the module's logits at one chain position
+        k: int,
+        params: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        draft_u: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # draft [B], sure [B] bool
+        """One chain position's draft and whether the chain may keep it: a
+        greedy draft while the module's top probability reaches ``min_prob``;
+        a sampled one by its first position's alone."""
+        if draft_u is None:
+            top = logits.softmax(dim=-1).amax(dim=-1)
+            return logits.argmax(dim=-1), top >= self.min_prob
+        q = target_probs_rows(logits, *params)  # [B, vocab]; greedy slots one-hot
+        if self._q is None:
+            self._q = q.new_zeros(self.num_slots, self.max_depth, q.shape[1])
+        self._q[: q.shape[0], k] = q
+        greedy = params[0] == 0
+        top = q.amax(dim=-1) if k == 0 else torch.ones_like(q[:, 0])
+        sure = torch.where(greedy, logits.softmax(dim=-1).amax(dim=-1), top) >= self.min_prob
+        return draw_rows(q, draft_u[:, k]), sure
+
+
+def _unpack(
+    values: list[int], rows: Sequence[VerifyRow], batch: int, width: int, depth: int
+) -> list[VerifyOut]:
+    """Each row's results from the readback's flat ``accepted [B], emitted
+    [B * W], drafts [B * depth], counts [B]``."""
+    accepted = values[:batch]
+    emitted = values[batch : batch + batch * width]
+    drafts = values[batch + batch * width : batch + batch * (width + depth)]
+    counts = values[batch + batch * (width + depth) :]
+    results = []
+    for r in rows:
+        n = accepted[r.slot]
+        own = drafts[r.slot * depth : (r.slot + 1) * depth] if depth else []
+        results.append(
+            VerifyOut(
+                accepted=n,
+                emitted=emitted[r.slot * width : r.slot * width + n + 1],
+                drafts=own[: counts[r.slot]] if depth else [],
+            )
+        )
+    return results
