@@ -252,7 +252,9 @@ class DeviceStep:
         params = (temperature, top_k, top_p)
         if sampled:
             uniforms = request_uniforms(by_slot, width + depth, self.device)  # [B, W + depth]
-            target = target_probs_rows(logits, *(p.repeat_interleave(width) for p in params))
+            # Each slot's parameters on its W rows (expand: no host read for the size).
+            per_row = (p[:, None].expand(batch, width).reshape(-1) for p in params)
+            target = target_probs_rows(logits, *per_row)
             accepted = accept_sampled_rows(
                 tokens,
                 widths,

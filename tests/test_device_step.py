@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from metrale.engine.api import Grammar, Request, SamplingParams
 from metrale.engine.config import EngineConfig
 from metrale.engine.device_step import MAX_WIDTH
 from metrale.engine.engine import Engine
 from metrale.engine.load.checkpoint import read_checkpoint
+from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.mtp import detect_mtp, load_checkpoint_mtp
 from metrale.engine.runtime.syncs import count_syncs
 from tests.checkpoints import EOS_ID, build_runtime, random_ids, write_tiny_checkpoint
@@ -197,3 +199,29 @@ def test_a_model_without_headroom_is_refused(tmp_path: Path) -> None:
     model = build_runtime(path, num_slots=2, max_len=32)
     with pytest.raises(ValueError, match="needs 16 positions of cache headroom"):
         Engine(model, None, EngineConfig(step_path="device"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_cuda_step_with_graphs_equals_the_cpu_host_step(checkpoints: dict[str, Path]) -> None:
+    path = checkpoints["mimo"]
+    ckpt = read_checkpoint(path)
+    found = detect_mtp(ckpt.raw_config, ckpt.weights.names(), ckpt.spec.num_layers)
+    model = LlamaModel(
+        ckpt.spec,
+        ckpt.hf_config,
+        ckpt.weights,
+        num_slots=4,
+        max_len=MAX_LEN,
+        dtype=torch.float32,
+        device=torch.device("cuda"),
+        headroom=MAX_WIDTH,
+    )
+    mtp = load_checkpoint_mtp(model, ckpt.weights, found) if found else []
+    config = EngineConfig(max_batch=4, draft_policy="fixed", mtp_min_prob=0.0)
+    engine = Engine(model, None, config, mtp=mtp, eos_token_ids=[EOS_ID])
+    assert engine.step_path == "device"
+    requests = _requests(6, SamplingParams(max_tokens=20), repeat=True)
+    want = _outputs(_engine(path, "host"), requests)
+    assert _outputs(engine, requests) == want
+    assert engine.graph_shapes(), "the verify, feed and chain shapes were captured"

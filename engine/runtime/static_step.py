@@ -96,7 +96,9 @@ def static_plan(
     return RowPlan(
         token_ids=torch.empty(0, dtype=torch.int64, device=device),  # the caller embeds
         positions=query_pos.reshape(-1),
-        token_slots=slots.repeat_interleave(width),
+        token_slots=slots[:, None]
+        .expand(batch, width)
+        .reshape(-1),  # no host read, unlike repeat_interleave
         slot_ids=slots,
         slot_range=(0, batch),
         num_segments=batch,
