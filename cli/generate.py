@@ -21,14 +21,18 @@ from rich.console import Console
 from metrale.cli.grammar_fields import schema_file_grammar
 from metrale.cli.jsonl import LineDefaults
 from metrale.cli.options import (
+    KV_CACHE_FRACTION,
     MTP_DRAFTS,
-    RUNTIME,
     SAMPLING,
     SPECULATION,
     DeviceOpt,
     DraftPolicy,
     DraftPolicyOpt,
     DtypeOpt,
+    KvCacheFractionOpt,
+    KvCacheGbOpt,
+    MaxBatchOpt,
+    MaxLenOpt,
     MaxTokensOpt,
     ModelOpt,
     MtpDraftsOpt,
@@ -48,6 +52,7 @@ from metrale.cli.options import (
     config_error,
     load_error,
     option,
+    with_flags,
 )
 from metrale.cli.ray_backend import RaySettings, open_ray_backend, ray_problem
 from metrale.cli.records import done_ids
@@ -79,6 +84,7 @@ def open_backend(model: str | None, runtime: RuntimeConfig, engine: EngineConfig
         max_len=min([loaded.model.max_len] + [m.max_len for m in loaded.mtp if engine.mtp]),
         generate=eng.generate,
         stats=eng.stats,
+        limit=with_flags(loaded.info.kv_limit),
     )
 
 
@@ -153,17 +159,10 @@ def generate(
         ),
     ] = True,
     draft_policy: DraftPolicyOpt = DraftPolicy.auto,
-    max_batch: Annotated[
-        int, option("--max-batch", "Sequences decoded together.", panel=RUNTIME)
-    ] = 16,
-    max_len: Annotated[
-        int | None,
-        option(
-            "--max-len",
-            "Positions per sequence (prompt + output); default: the model's.",
-            panel=RUNTIME,
-        ),
-    ] = None,
+    max_batch: MaxBatchOpt = 16,
+    max_len: MaxLenOpt = None,
+    kv_cache_gb: KvCacheGbOpt = None,
+    kv_cache_fraction: KvCacheFractionOpt = KV_CACHE_FRACTION,
     max_tokens: MaxTokensOpt = 256,
     temperature: Annotated[float, option("--temperature", "0 is greedy.", panel=SAMPLING)] = 0.0,
     top_p: Annotated[float, option("--top-p", "Nucleus sampling mass.", panel=SAMPLING)] = 1.0,
@@ -228,6 +227,8 @@ def generate(
             dtype=dtype,
             num_slots=max_batch,
             max_len=max_len,
+            kv_cache_gb=kv_cache_gb,
+            kv_cache_fraction=kv_cache_fraction,
             mtp=mtp,
             weights=weights,
             mtp_head=mtp_head,

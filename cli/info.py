@@ -1,25 +1,33 @@
 """`metrale info [MODEL]`: what the runtime would load, and how long it takes.
 
 Contract: loads the model (the embedded default when ``MODEL`` is omitted)
-with the given device/dtype and prints where it came from (folder, GGUF
-file, or hub id@revision and its commit), its architecture, parameter count,
-dtype, device, context length, MTP layers found and KV bytes per token. A
-model that cannot be loaded exits with 2 and the loader's message; a bad
-``--device``, ``--dtype`` or ``--weights`` is a usage error on that flag.
+with the given runtime flags, which mean what they mean to `generate`, and
+prints where it came from (folder, GGUF file, or hub id@revision and its
+commit), its architecture, parameter count, dtype, device (a GPU's name and
+memory), context length, MTP layers found, KV bytes per token, the KV cache
+`generate` would get with the same flags (slots x positions, GiB, and why)
+and the step's graph shapes. A model that cannot be loaded exits with 2 and
+the loader's message; a bad ``--device``, ``--dtype``, ``--weights`` or
+``--kv-cache-gb`` is a usage error on that flag.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from metrale.cli.options import (
+    KV_CACHE_FRACTION,
     MODEL_HELP,
     DeviceOpt,
     DtypeOpt,
+    KvCacheFractionOpt,
+    KvCacheGbOpt,
+    MaxBatchOpt,
+    MaxLenOpt,
     MtpHeadOpt,
     MtpOpt,
     RevisionOpt,
@@ -27,8 +35,44 @@ from metrale.cli.options import (
     config_error,
     env,
     load_error,
+    with_flags,
 )
 from metrale.engine.config import RuntimeConfig
+
+if TYPE_CHECKING:
+    from metrale.engine.load.loader import ModelInfo
+
+# What the CUDA step captures, until the engine lists its captured shapes.
+LAZY_GRAPHS = "captured lazily per (batch bucket x verify width) on CUDA"
+
+
+def graph_shapes(device: str) -> str:
+    """The step's CUDA graph shapes as `info` shows them: none on the CPU,
+    which runs every forward eagerly."""
+    if not device.startswith("cuda"):
+        return "none on the CPU (every forward runs eagerly)"
+    return LAZY_GRAPHS
+
+
+def describe_device(device: str) -> str:
+    """``cpu``, or ``cuda:0 (NVIDIA H200, 139.8 GiB)``: a GPU's name and its
+    total memory."""
+    if not device.startswith("cuda"):
+        return device
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return f"{device} ({torch.cuda.get_device_name(torch.device(device))}, {props.total_memory / 2**30:.1f} GiB)"
+
+
+def describe_kv_cache(facts: ModelInfo) -> str:
+    """``4 x 512 positions, 0.00146 GiB``, then why on a line of its own."""
+    from metrale.engine.runtime.kv_sizing import gib
+
+    return (
+        f"{facts.num_slots} x {facts.max_len:,} positions, {gib(facts.kv_cache_bytes)} GiB\n"
+        + with_flags(facts.kv_limit)
+    )
 
 
 def info(
@@ -47,14 +91,21 @@ def info(
     mtp_head: MtpHeadOpt = None,
     weights: WeightsOpt = "auto",
     revision: RevisionOpt = None,
+    max_batch: MaxBatchOpt = 16,
+    max_len: MaxLenOpt = None,
+    kv_cache_gb: KvCacheGbOpt = None,
+    kv_cache_fraction: KvCacheFractionOpt = KV_CACHE_FRACTION,
 ) -> None:
-    """Show a model's architecture, size, MTP layers and KV cost."""
+    """Show a model's architecture, size, MTP layers, KV cache and device."""
     console = Console()
     try:
         runtime = RuntimeConfig(
             device=device,
             dtype=dtype,
-            num_slots=1,
+            num_slots=max_batch,
+            max_len=max_len,
+            kv_cache_gb=kv_cache_gb,
+            kv_cache_fraction=kv_cache_fraction,
             mtp=mtp,
             weights=weights,
             mtp_head=mtp_head,
@@ -87,13 +138,15 @@ def info(
         ("parameters", f"{facts.parameters:,} ({facts.parameters / 1e6:.1f} M)"),
         ("dtype", facts.dtype),
         ("weights", facts.weights),
-        ("device", facts.device),
+        ("device", describe_device(facts.device)),
         ("context length", f"{facts.context_len:,}"),
         ("attention", facts.attention),
         ("experts", facts.experts or "none (dense MLP)"),
         ("quantization", facts.quantization),
         ("MTP layers", mtp_text),
         ("KV bytes per token", f"{facts.kv_bytes_per_token:,} (as the cache stores it)"),
+        ("KV cache", describe_kv_cache(facts)),
+        ("graphs", graph_shapes(facts.device)),
         ("EOS ids", ", ".join(map(str, loaded.eos_token_ids))),
         ("load time", f"{facts.load_s:.2f} s"),
     ]

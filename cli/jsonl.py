@@ -139,12 +139,15 @@ def parse_line(
         return LineError(ref, fmt, output_id, fault.field, fault.message)
 
 
-def encode(parsed: ParsedLine, tokenizer: Tokenizer, max_len: int) -> Request | LineError:
+def encode(
+    parsed: ParsedLine, tokenizer: Tokenizer, max_len: int, limit: str = ""
+) -> Request | LineError:
     """Tokenizes a parsed line into a Request whose id is the line number
     (unique within the run, unlike user ids), the way ``train-mtp`` and the
     benchmarks do (``metrale.engine.prompts``). A prompt that leaves no room for
     ``max_tokens`` within ``max_len`` positions is an error naming its field
-    (the engine would refuse it; here the record can say which line and field)."""
+    (the engine would refuse it; here the record can say which line and field),
+    and ``limit``, why sequences have that many positions (``ModelInfo.kv_limit``)."""
     name = "prompt" if parsed.prompt is not None else "messages"
     try:
         if parsed.prompt is not None:
@@ -156,9 +159,10 @@ def encode(parsed: ParsedLine, tokenizer: Tokenizer, max_len: int) -> Request | 
     if not ids:
         return _error(parsed, name, "encodes to no tokens")
     if len(ids) + parsed.params.max_tokens > max_len:
+        why = f" ({limit})" if limit else ""
         msg = (
             f"too long: {len(ids)} prompt tokens + max_tokens {parsed.params.max_tokens} "
-            f"exceed the model's {max_len} positions; shorten it or lower max_tokens"
+            f"exceed the model's {max_len} positions{why}; shorten it or lower max_tokens"
         )
         return _error(parsed, name, msg)
     return Request(str(parsed.ref.number), tuple(ids), parsed.params, parsed.scope, parsed.grammar)

@@ -26,7 +26,7 @@ from typing import Annotated, Any, NamedTuple, TypeVar
 
 import typer
 
-from metrale.engine.config import MtpLadder
+from metrale.engine.config import MtpLadder, RuntimeConfig
 
 ENV_PREFIX = "METRALE_"
 SPECULATION = "Speculation: MTP drafts and prompt-lookup copies"
@@ -34,6 +34,7 @@ SAMPLING = "Sampling (lines may override)"
 RUNTIME = "Model and runtime"
 CLUSTER = "Ray cluster (pip install 'metrale[ray]')"
 MTP_DRAFTS = MtpLadder().text()  # the default of --mtp-drafts: "8:3,15:2,1"
+KV_CACHE_FRACTION = RuntimeConfig().kv_cache_fraction  # the default of --kv-cache-fraction
 
 Number = TypeVar("Number", int, float)
 
@@ -60,6 +61,8 @@ RANGES: dict[str, Range] = {
     # model, runtime and sampling
     "--max-batch": Range(1, 4096),
     "--max-len": Range(2, 1 << 24),
+    "--kv-cache-gb": Range(0, 1 << 20, lo_open=True),
+    "--kv-cache-fraction": Range(0, 1, lo_open=True),
     "--threads": Range(1),
     "--max-tokens": Range(1, 1 << 24),
     "--temperature": Range(0, 100),
@@ -172,6 +175,35 @@ WeightsOpt = Annotated[
         "--weights",
         "auto: run weights the model holds packed (the default model's Q4_1) in the "
         "CPU kernel, same values in a sixth of the bytes; dense: float32 matrices.",
+        panel=RUNTIME,
+    ),
+]
+MaxBatchOpt = Annotated[int, option("--max-batch", "Sequences decoded together.", panel=RUNTIME)]
+MaxLenOpt = Annotated[
+    int | None,
+    option(
+        "--max-len",
+        "Positions per sequence (prompt + output); default: the model's.",
+        panel=RUNTIME,
+    ),
+]
+KvCacheGbOpt = Annotated[
+    float | None,
+    option(
+        "--kv-cache-gb",
+        "KV cache size in GiB (main + MTP caches, every slot): a --max-len given is kept "
+        "and fewer slots run; else --max-batch slots run, with positions cut to fit. "
+        "Default: on CUDA, --kv-cache-fraction of the free memory after the weights; "
+        "on the CPU, --max-batch slots at full length.",
+        panel=RUNTIME,
+    ),
+]
+KvCacheFractionOpt = Annotated[
+    float,
+    option(
+        "--kv-cache-fraction",
+        "Without --kv-cache-gb, on CUDA: the share of the free memory after the weights "
+        "that the KV cache may take.",
         panel=RUNTIME,
     ),
 ]
@@ -294,6 +326,8 @@ FIELD_FLAGS: dict[str, str] = {
     "max_batch": "--max-batch",
     "num_slots": "--max-batch",
     "max_len": "--max-len",
+    "kv_cache_gb": "--kv-cache-gb",
+    "kv_cache_fraction": "--kv-cache-fraction",
     "revision": "--revision",
     "device": "--device",
     "dtype": "--dtype",
@@ -340,6 +374,15 @@ def _field_flag(message: str, renamed: Mapping[str, str]) -> tuple[str, str] | N
     field, rest = match.groups()
     flag = renamed.get(field) or FIELD_FLAGS.get(field)
     return None if flag is None else (flag, rest)
+
+
+_FIELD_WORD = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
+
+
+def with_flags(text: str) -> str:
+    """An engine text with the config fields it names as their flags:
+    ``"a KV cache of 2 GiB (kv_cache_gb)"`` -> ``"... (--kv-cache-gb)"``."""
+    return _FIELD_WORD.sub(lambda m: FIELD_FLAGS.get(m.group(0), m.group(0)), text)
 
 
 def load_error(

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from metrale.cli.cluster_stats import WorkerStats
+from metrale.cli.options import with_flags
 from metrale.cli.ray_feed import Feeder, windows
 from metrale.cli.run import Backend
 from metrale.engine.api import Request, Result
@@ -113,14 +114,15 @@ def plan_workers(
     return WorkerPlan(count, share, 0, share, runtime)
 
 
-def driver_card(model: str | None, runtime: RuntimeConfig) -> tuple[Any, Any]:
-    """The tokenizer and the ``WorkerCard`` the driver tokenizes by, read
-    from the checkpoint without loading its weights (the driver may hold no
-    GPU, nor memory for the model)."""
+def driver_card(model: str | None, runtime: RuntimeConfig) -> tuple[Any, Any, str]:
+    """The tokenizer, the ``WorkerCard`` the driver tokenizes by and why its
+    ``max_len`` is what it is (``ModelInfo.kv_limit``), read from the
+    checkpoint without loading its weights (the driver may hold no GPU, nor
+    memory for the model)."""
     from metrale.cli.ray_worker import WorkerCard
     from metrale.engine.load.checkpoint import read_checkpoint
     from metrale.engine.load.fast_tokenizer import read_tokenizer
-    from metrale.engine.load.loader import choose_max_len, eos_token_ids
+    from metrale.engine.load.loader import drafter_of, eos_token_ids, size_cache
     from metrale.engine.load.source import resolve_source
     from metrale.engine.runtime.device import pick_dtype
 
@@ -134,11 +136,15 @@ def driver_card(model: str | None, runtime: RuntimeConfig) -> tuple[Any, Any]:
     import torch
 
     # Only a KV budget makes the limit depend on the dtype and the MTP
-    # modules; the workers' own cards are checked against this one anyway.
-    dtype = pick_dtype(runtime.dtype, torch.device("cpu"))
-    max_len = choose_max_len(checkpoint.spec, runtime, dtype, 1)
+    # modules; the workers' own cards are checked against this one anyway
+    # (GPU workers without --kv-cache-gb or --max-len size their positions
+    # from their own free memory, which the driver cannot know).
+    cpu = torch.device("cpu")
+    dtype = pick_dtype(runtime.dtype, cpu)
+    found, head = drafter_of(checkpoint, runtime, resolved.shipped_head)
+    sizing, limit = size_cache(checkpoint, runtime, cpu, dtype, found.count if found else 0, head)
     eos = eos_token_ids(resolved.folder, checkpoint.raw_config, tokenizer)
-    return tokenizer, WorkerCard(resolved.name, eos, max_len)
+    return tokenizer, WorkerCard(resolved.name, eos, sizing.max_len), limit
 
 
 def open_ray_backend(
@@ -147,7 +153,7 @@ def open_ray_backend(
     """Connects to the cluster, plans the workers and reads the tokenizer;
     the actors start when the run does."""
     pipeline = RayPipeline(settings, model, runtime, engine)
-    tokenizer, card = driver_card(model, runtime)
+    tokenizer, card, limit = driver_card(model, runtime)
     pipeline.card = card
     return Backend(
         name=card.name,
@@ -156,6 +162,7 @@ def open_ray_backend(
         max_len=card.max_len,
         generate=pipeline.generate,
         stats=pipeline.stats,
+        limit=with_flags(limit),
     )
 
 

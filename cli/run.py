@@ -58,6 +58,9 @@ class Backend:
     max_len: int
     generate: Callable[[Iterable[Request | None]], Iterator[Result]]
     stats: Callable[[], EngineStats]
+    # Why sequences get max_len positions (``ModelInfo.kv_limit``), quoted
+    # by the error record of a line too long for them; "" says nothing more.
+    limit: str = ""
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,7 @@ def run(plan: RunPlan, backend: Backend, out: IO[str], console: Console) -> int:
             writer.expect(ref.number)
             request = parsed if isinstance(parsed, LineError) else None
             if isinstance(parsed, ParsedLine):
-                encoded = encode(parsed, backend.tokenizer, backend.max_len)
+                encoded = encode(parsed, backend.tokenizer, backend.max_len, backend.limit)
                 if isinstance(encoded, Request):
                     pending[ref.number] = parsed
                     yield encoded

@@ -12,13 +12,25 @@ SmolLM2-135M-Instruct, paired with the head shipped at
 ``engine/heads/smollm2-135m-instruct.{safetensors,json}`` when present;
 ``runtime.mtp_head`` names a trained head to draft with instead, for any model.
 
-``max_len``: ``runtime.max_len``, else the model's context length; capped so
-that main + MTP caches of all slots fit ``runtime.kv_budget_mb`` when set.
+Slots x positions (``size_cache``): with a budget, by the rule of
+``runtime/kv_sizing.py`` (an asked-for ``max_len`` is kept and the slots cut
+to fit; else all ``num_slots`` are kept and positions cut to fit). The
+budget is ``runtime.kv_cache_gb``; without one, on CUDA, it is
+``runtime.kv_cache_fraction`` of the device's free memory less the weights
+about to be loaded, estimated before the model is built (the model allocates
+its cache as it is built): every tensor the checkpoint stores (and a named
+head's) at the runtime dtype, FP8 ones dequantized. What the estimate leaves
+out (activations, the step's buffers and graphs, the allocator's slack) lives
+in the rest of the free memory. On the CPU without a budget: ``num_slots``
+slots of ``runtime.max_len`` or the context length, as before (capped by the
+older ``runtime.kv_budget_mb`` when set). ``ModelInfo.kv_limit`` says which
+of these made the shape what it is.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,18 +48,30 @@ from metrale.engine.load.source import resolve_source
 from metrale.engine.runtime.arch import ArchSpec, CheckpointError
 from metrale.engine.runtime.device import dtype_name, pick_device, pick_dtype
 from metrale.engine.runtime.fp8 import BlockFp8
+from metrale.engine.runtime.kv_sizing import (
+    GIB,
+    KvSizing,
+    PositionsFrom,
+    gib,
+    kv_bytes_per_position,
+    size_kv_cache,
+)
 from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.model import Model, MtpModule
 from metrale.engine.runtime.mtp import MtpFound, detect_mtp, load_checkpoint_mtp
 from metrale.engine.runtime.mtp_head import MtpHeadError, head_paths, load_mtp_head
 from metrale.engine.runtime.packed import Bf16Source, PackedSource, PackedStore, PackedWeight
+from metrale.engine.runtime.weights import WeightStore
 
 
 @dataclass(frozen=True)
 class ModelInfo:
     """What ``metrale info`` shows. ``mtp_layout`` is ``None`` when no MTP
     module was loaded; ``kv_bytes_per_token`` counts the main model and its
-    MTP modules, per slot position."""
+    MTP modules, per slot position; ``kv_limit`` says why the cache holds
+    ``num_slots`` slots of ``max_len`` positions (``KvSizing.describe``:
+    "16 slots of 4,096 positions, what a KV cache of 2 GiB (kv_cache_gb)
+    holds at 16 slots"), and ``kv_cache_bytes`` is what it takes."""
 
     name: str
     source: str  # where it came from: "folder ...", "gguf file ...", "hub owner/name@main ..."
@@ -64,6 +88,8 @@ class ModelInfo:
     mtp_draft_vocab: int | None  # tokens a standalone head drafts from; None: all
     mtp_head: str | None  # the standalone head's weights file, when one drafts
     kv_bytes_per_token: int
+    kv_limit: str
+    kv_cache_bytes: int
     attention: str  # "GQA, 9 query / 3 kv heads of 64" or "MLA, ..."
     experts: str | None  # routed / shared / active per token; None: dense
     quantization: str  # "none" or the block FP8 layout
@@ -93,22 +119,17 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
     release_free_heap()
     device = pick_device(runtime.device)
     dtype = pick_dtype(runtime.dtype, device)
-    found = detect_mtp(
-        checkpoint.raw_config, checkpoint.weights.names(), checkpoint.spec.num_layers
+    found, head = drafter_of(checkpoint, runtime, shipped)
+    sizing, kv_limit = size_cache(
+        checkpoint, runtime, device, dtype, found.count if found else 0, head
     )
-    head = _drafting_head(runtime, shipped, found)
-    if not runtime.mtp:
-        found = None
-    elif head is not None:
-        found = MtpFound("head", 1)
-    max_len = choose_max_len(checkpoint.spec, runtime, dtype, 1 + (found.count if found else 0))
     kernel, packed, weights = _packed_source(folder, checkpoint, runtime, device, dtype)
     model = LlamaModel(
         checkpoint.spec,
         checkpoint.hf_config,
         checkpoint.weights,
-        num_slots=runtime.num_slots,
-        max_len=max_len,
+        num_slots=sizing.num_slots,
+        max_len=sizing.max_len,
         dtype=dtype,
         device=device,
         packed=packed,
@@ -124,8 +145,8 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
         dtype=dtype_name(dtype),
         device=str(device),
         context_len=checkpoint.spec.context_len,
-        max_len=max_len,
-        num_slots=runtime.num_slots,
+        max_len=sizing.max_len,
+        num_slots=sizing.num_slots,
         weights=weights,
         mtp_layout=found.layout if found else None,
         mtp_count=len(mtp),
@@ -139,6 +160,8 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
             None,
         ),
         kv_bytes_per_token=model.kv_bytes_per_token + sum(m.kv_bytes_per_token for m in mtp),
+        kv_limit=kv_limit,
+        kv_cache_bytes=sizing.cache_bytes,
         attention=describe_attention(checkpoint.spec),
         experts=describe_experts(checkpoint.spec),
         quantization=describe_quant(checkpoint.quant),
@@ -179,6 +202,23 @@ def _stored_in_bf16(checkpoint: Checkpoint) -> bool:
     return name in checkpoint.weights and checkpoint.weights.dtype(name) == "BF16"
 
 
+def drafter_of(
+    checkpoint: Checkpoint, runtime: RuntimeConfig, shipped: Path | None
+) -> tuple[MtpFound | None, Path | None]:
+    """The MTP modules that will draft (None: none) and the standalone head's
+    weights file when a head is what drafts; ``shipped`` is the source's own
+    head (``resolve_source``)."""
+    found = detect_mtp(
+        checkpoint.raw_config, checkpoint.weights.names(), checkpoint.spec.num_layers
+    )
+    head = _drafting_head(runtime, shipped, found)
+    if not runtime.mtp:
+        return None, None
+    if head is not None:
+        return MtpFound("head", 1), head
+    return found, None
+
+
 def _drafting_head(
     runtime: RuntimeConfig, shipped: Path | None, found: MtpFound | None
 ) -> Path | None:
@@ -217,6 +257,90 @@ def _load_mtp(
         return [load_mtp_head(head, model, kernel)]
     packed = Bf16Source(checkpoint.weights, kernel) if kernel else None
     return list(load_checkpoint_mtp(model, checkpoint.weights, found, packed))
+
+
+def size_cache(
+    checkpoint: Checkpoint,
+    runtime: RuntimeConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_mtp: int,
+    head: Path | None = None,
+) -> tuple[KvSizing, str]:
+    """The cache's slots x positions and why (see module doc). ``num_mtp``:
+    MTP modules that will be loaded (each one a 1-layer cache); ``head``: a
+    standalone head's weights file, counted with the weights on CUDA. A
+    budget too small for the rule's minimum is a ``CheckpointError`` naming
+    the setting it came from (``kv_cache_gb: ...``)."""
+    spec = checkpoint.spec
+    per_position = kv_bytes_per_position(spec.num_layers, num_mtp, spec.kv_width, dtype.itemsize)
+    if runtime.max_len is not None and runtime.max_len > spec.context_len:
+        raise CheckpointError(
+            f"max_len {runtime.max_len} exceeds the model's context length {spec.context_len}"
+        )
+    budget = kv_budget(checkpoint, runtime, device, dtype, head)
+    if budget is None:  # the CPU's default: every slot asked for, at full length
+        max_len = choose_max_len(spec, runtime, dtype, 1 + num_mtp)
+        asked = runtime.max_len or spec.context_len
+        source: PositionsFrom = "max_len" if runtime.max_len else "context"
+        if runtime.kv_budget_mb is not None and max_len < asked:
+            source = "budget"
+        sizing = KvSizing(runtime.num_slots, max_len, per_position, source)
+        older = runtime.kv_budget_mb
+        return sizing, sizing.describe(None if older is None else f"{older} MB (kv_budget_mb)")
+    budget_bytes, field, where = budget
+    try:
+        sizing = size_kv_cache(
+            budget_bytes, per_position, runtime.num_slots, spec.context_len, runtime.max_len
+        )
+    except ValueError as exc:
+        whence = "" if field == "kv_cache_gb" else f" (the budget: {where})"
+        raise CheckpointError(f"{field}: {exc}{whence}") from exc
+    return sizing, sizing.describe(where)
+
+
+def kv_budget(
+    checkpoint: Checkpoint,
+    runtime: RuntimeConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    head: Path | None,
+) -> tuple[int, str, str] | None:
+    """``(bytes, the setting it came from, how a message names it)``, or None
+    when no budget applies (the CPU without ``kv_cache_gb``)."""
+    if runtime.kv_cache_gb is not None:
+        gb = runtime.kv_cache_gb
+        return int(gb * GIB), "kv_cache_gb", f"{gb:g} GiB (kv_cache_gb)"
+    if device.type != "cuda" or runtime.kv_budget_mb is not None:
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    weights = weight_bytes(checkpoint, dtype, head)
+    left = free - weights
+    if left <= 0:
+        raise CheckpointError(
+            f"the weights (about {gib(weights)} GiB in {dtype_name(dtype)}) need more than "
+            f"the {gib(free)} GiB free on {device}"
+        )
+    fraction = runtime.kv_cache_fraction
+    budget = int(fraction * left)
+    where = (
+        f"{gib(budget)} GiB (kv_cache_fraction {fraction:g} of the {gib(left)} GiB free "
+        f"on {device} after the weights)"
+    )
+    return budget, "kv_cache_fraction", where
+
+
+def weight_bytes(checkpoint: Checkpoint, dtype: torch.dtype, head: Path | None = None) -> int:
+    """What the weights will take on the device, from the headers alone:
+    every tensor the checkpoint stores (FP8 scales aside) and the head's, at
+    ``dtype``. It counts MTP layers that ``mtp=False`` leaves unloaded: the
+    estimate errs towards a smaller cache, never towards running out."""
+    store = checkpoint.weights
+    headers = store.headers()
+    numel = sum(math.prod(headers[name].shape) for name in store.names())
+    if head is not None:
+        numel += sum(math.prod(h.shape) for h in WeightStore.open_file(head).headers().values())
+    return numel * dtype.itemsize
 
 
 def choose_max_len(
