@@ -8,12 +8,17 @@ equivalent cut), and hands the token ids to ``metrale.engine.bench.suite``. It
 prints one Rich table per workload (or per workload and sweep), writes
 ``--json`` and ``--plot`` when asked, and exits 0 when every configuration's
 output equals the reference, 1 when one differs (the first differing request
-is named), 2 on a usage error (bad flag, bad line, missing matplotlib) before
-anything is measured.
+is named), 2 on a usage error (bad flag, bad line, missing matplotlib, a KV
+cache that holds fewer slots than the batch) before anything is measured.
+``--compare`` (``figures.py``): ``auto`` compares token for token, except on
+CUDA in a dtype other than float32, where outputs are compared by first
+divergence, reported and never failed (a bfloat16 verify of another width
+is another matmul, whose last bits may tip a near-tie).
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import Counter
 from dataclasses import replace
@@ -34,9 +39,12 @@ from metrale.cli.bench_view import (
 )
 from metrale.cli.jsonl import LineDefaults, LineError, LineRef, encode, parse_line
 from metrale.cli.options import (
+    KV_CACHE_FRACTION,
     MTP_DRAFTS,
     DeviceOpt,
     DtypeOpt,
+    KvCacheFractionOpt,
+    KvCacheGbOpt,
     MaxTokensOpt,
     ModelOpt,
     MtpDraftsOpt,
@@ -52,6 +60,7 @@ from metrale.cli.options import (
     config_error,
     load_error,
     option,
+    with_flags,
 )
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import MTP_MIN_PROB, MtpLadder, RuntimeConfig
@@ -71,7 +80,16 @@ BENCH_FLAGS = {
     "repeats": "--repeats",
     "batch": "--batch",
     "hf_lookup_tokens": "--hf-lookup-tokens",
+    "compare": "--compare",
 }
+
+
+class CompareMode(enum.StrEnum):
+    """How outputs are compared with the reference (``figures.py``)."""
+
+    auto = "auto"
+    exact = "exact"
+    divergence = "divergence"
 
 
 def sample_workloads() -> list[Path]:
@@ -164,6 +182,17 @@ def bench(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     weights: WeightsOpt = "auto",
+    kv_cache_gb: KvCacheGbOpt = None,
+    kv_cache_fraction: KvCacheFractionOpt = KV_CACHE_FRACTION,
+    compare: Annotated[
+        CompareMode,
+        option(
+            "--compare",
+            "exact: token for token, a difference fails; divergence: each prompt's first "
+            "differing token and the mean common prefix, never failed; auto: divergence on "
+            "CUDA in a dtype other than float32, else exact.",
+        ),
+    ] = CompareMode.auto,
     mtp_head: MtpHeadOpt = None,
     threads: ThreadsOpt = None,
     json_path: Annotated[Path | None, option("--json", "Write the figures here.")] = None,
@@ -196,7 +225,13 @@ def bench(
         )
         spec = parse_sweep(sweep) if sweep is not None else None
         runtime = RuntimeConfig(
-            device=device, dtype=dtype, weights=weights, mtp_head=mtp_head, revision=revision
+            device=device,
+            dtype=dtype,
+            weights=weights,
+            mtp_head=mtp_head,
+            revision=revision,
+            kv_cache_gb=kv_cache_gb,
+            kv_cache_fraction=kv_cache_fraction,
         )
     except ValueError as exc:
         raise config_error(exc, BENCH_FLAGS) from exc
@@ -211,8 +246,8 @@ def bench(
         if not path.is_file():
             raise typer.BadParameter(f"no such file: {path}", param_hint="WORKLOAD")
     err, out = Console(stderr=True), Console()
-    run = _measure(paths, model, runtime, settings, spec, sweep_batch, max_tokens, err)
-    subjects, reports, sweeps = run
+    run = _measure(paths, model, runtime, settings, compare, spec, sweep_batch, max_tokens, err)
+    subjects, settings, reports, sweeps = run
     if sweeps:
         print_sweeps(out, sweeps)
     else:
@@ -237,14 +272,17 @@ def _measure(
     model: str | None,
     runtime: RuntimeConfig,
     settings: BenchSettings,
+    compare: CompareMode,
     spec: SweepSpec | None,
     sweep_batch: int,
     max_tokens: int,
     err: Console,
-) -> tuple[Subjects, tuple[WorkloadReport, ...], tuple[SweepReport, ...]]:
-    """Loads both sides with KV slots sized to the workloads, then measures."""
+) -> tuple[Subjects, BenchSettings, tuple[WorkloadReport, ...], tuple[SweepReport, ...]]:
+    """Loads both sides with KV slots sized to the workloads, then measures;
+    the settings come back with ``compare`` resolved for the loaded device."""
     from transformers import AutoTokenizer
 
+    from metrale.engine.bench.figures import compare_mode
     from metrale.engine.bench.runners import checkpoint_folder, load_subjects
     from metrale.engine.bench.suite import Workload, run_bench
     from metrale.engine.bench.sweep import run_sweep
@@ -267,6 +305,10 @@ def _measure(
         subjects = load_subjects(model, runtime, max(settings.batch, sweep_batch))
     except (OSError, ValueError) as exc:
         raise load_error(exc, runtime.mtp_head) from exc
+    _check_slots(subjects, max(settings.batch, sweep_batch), runtime)
+    info = subjects.single.info
+    mode = compare_mode(compare.value, info.device.partition(":")[0], info.dtype)
+    settings = replace(settings, compare=mode)
     eos = tuple(subjects.single.eos_token_ids)
     workloads = [
         Workload(
@@ -286,5 +328,20 @@ def _measure(
                 sweeps = run_sweep(workloads, spec, settings, subjects, sweep_batch, say)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--sweep") from exc
-            return subjects, (), sweeps
-        return subjects, run_bench(workloads, settings, subjects, say), ()
+            return subjects, settings, (), sweeps
+        return subjects, settings, run_bench(workloads, settings, subjects, say), ()
+
+
+def _check_slots(subjects: Subjects, batch: int, runtime: RuntimeConfig) -> None:
+    """A batched configuration must really have ``batch`` sequences in
+    flight: a KV cache that holds fewer slots is a usage error on the flag
+    that sized it."""
+    held = subjects.batched.model.num_slots
+    if held >= batch:
+        return
+    flag = "--kv-cache-gb" if runtime.kv_cache_gb is not None else "--kv-cache-fraction"
+    raise typer.BadParameter(
+        f"the KV cache holds {with_flags(subjects.batched.info.kv_limit)}, fewer than the "
+        f"batch of {batch}; raise it or lower --batch",
+        param_hint=flag,
+    )

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from metrale.engine.bench.figures import Figures, Mismatch, WorkloadReport
+    from metrale.engine.bench.figures import Divergence, Figures, Mismatch, WorkloadReport
     from metrale.engine.bench.suite import BenchSettings
     from metrale.engine.bench.sweep import SweepReport
     from metrale.engine.load.loader import ModelInfo
@@ -39,6 +39,9 @@ DEFINITIONS = {
     "peak_mb": "CPU: weights + preallocated KV slots + resident-set high-water above the idle "
     "process during the run (sampled every 5 ms); CUDA: torch.cuda.max_memory_allocated",
     "reference": "every output is compared with transformers greedy at batch 1",
+    "divergence": "compare=divergence (bfloat16 on CUDA): per request, the first output token "
+    "that differs from the reference (null: equal), and the mean common prefix in tokens next "
+    "to the reference's mean length, of the run that keeps the least; never a failure",
 }
 
 
@@ -51,11 +54,21 @@ def _output_cell(f: Figures) -> str:
         return "n/a"
     if f.key == "hf-greedy-b1":
         return "reference"
+    if f.divergence is not None:
+        return _divergence_cell(f.divergence)
     if f.mismatch is None:
         return "[green]equal[/]"
     if not f.is_failure:
         return "[yellow]differs*[/]"
     return "[bold red]DIFFERS[/]"
+
+
+def _divergence_cell(d: Divergence) -> str:
+    """``equal``, or ``prefix 9.3/12.0``: the mean common prefix of the
+    reference's mean length, in tokens."""
+    if d.num_diverged == 0:
+        return "[green]equal[/]"
+    return f"[yellow]prefix {d.mean_common_prefix:.1f}/{d.mean_length:.1f}[/]"
 
 
 COLUMNS = (
@@ -120,9 +133,22 @@ def print_reports(console: Console, reports: Sequence[WorkloadReport], info: Mod
         "the bonus token (1.00 = no draft accepted). passes/tok: forward passes of the main "
         "model, prefill included, one batched pass counting once. peak MB: "
         + DEFINITIONS["peak_mb"]
-        + ". output: compared token for token with HF greedy at batch 1; differs* = HF's own "
-        "left-padded batch, a note, not a failure.",
+        + ". "
+        + _output_legend(reports),
         style="dim",
+    )
+
+
+def _output_legend(reports: Sequence[WorkloadReport]) -> str:
+    if any(f.divergence is not None for r in reports for f in r.figures):
+        return (
+            "output: compared by first divergence with HF greedy at batch 1 (bfloat16 outputs "
+            "may leave each other at near-ties); prefix = mean common prefix / mean reference "
+            "length, in tokens."
+        )
+    return (
+        "output: compared token for token with HF greedy at batch 1; differs* = HF's own "
+        "left-padded batch, a note, not a failure."
     )
 
 
@@ -142,7 +168,9 @@ def sweep_table(report: SweepReport) -> Table:
             f"{p.mean_tokens_per_verify:.2f}",
             _num(p.copy_acceptance),
             _num(p.mtp_acceptance),
-            "[green]equal[/]"
+            _divergence_cell(p.divergence)
+            if p.divergence is not None
+            else "[green]equal[/]"
             if p.mismatch is None
             else f"[bold red]DIFFERS ({p.mismatch.request_id})[/]",
             "[bold]★ best[/]" if p.best else "",
@@ -166,6 +194,9 @@ def print_failures(
     failed = False
     for report in reports:
         for f in report.figures:
+            if f.divergence is not None and f.divergence.num_diverged:
+                who = f"{f.label} (batch {f.batch}) on {report.name}"
+                console.print(f"[yellow]note[/]: {who}: " + divergence_text(f.divergence))
             if f.mismatch is None:
                 continue
             failed = failed or f.is_failure
@@ -180,12 +211,26 @@ def print_failures(
                     "  (transformers' own left-padded batch; not a metrale failure)", style="dim"
                 )
     for sweep in sweeps:
+        for p in sweep.points:
+            if p.divergence is not None and p.divergence.num_diverged:
+                who = f"{sweep.parameter}={p.value} on {sweep.workload}"
+                console.print(f"[yellow]note[/]: {who}: " + divergence_text(p.divergence))
         for p in sweep.failures:
             assert p.mismatch is not None
             failed = True
             who = f"{sweep.parameter}={p.value} on {sweep.workload}"
             console.print(f"[bold red]FAILED[/]: {who}: " + _diff(p.mismatch, tokenizer))
     return failed
+
+
+def divergence_text(d: Divergence) -> str:
+    """``first differing output token per request: a 7, b equal, c 12; mean
+    common prefix 9.3 of 12.0 tokens``."""
+    firsts = ", ".join(f"{rid} {'equal' if at is None else at}" for rid, at in d.first_diff)
+    return (
+        f"first differing output token per request: {firsts}; mean common prefix "
+        f"{d.mean_common_prefix:.1f} of {d.mean_length:.1f} tokens"
+    )
 
 
 def _diff(m: Mismatch, tokenizer: Any) -> str:

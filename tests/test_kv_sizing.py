@@ -281,3 +281,20 @@ def test_an_over_long_line_gets_an_error_record_naming_the_limit_and_the_rest_ar
         "shorten it or lower max_tokens"
     )
     assert math.isclose(0.0003 * GIB // (4 * TINY), 104)
+
+
+def test_bench_refuses_a_cache_holding_fewer_slots_than_its_batch(
+    tiny: Path, tmp_path: Path
+) -> None:
+    workload = tmp_path / "w.jsonl"
+    workload.write_text('{"prompt": "abc abc abc"}\n{"prompt": "xyz xyz"}\n')
+    # The bench's slots are 64 positions long (the longest line, rounded up):
+    # 0.0001 GiB = 107,374 bytes hold 2 such slots of 768 bytes a position.
+    args = ["bench", str(workload), "--model", str(tiny), "--device", "cpu", "--batch", "3"]
+    result = invoke([*args, "--repeats", "1", "--max-tokens", "4", "--kv-cache-gb", "0.0001"])
+    assert result.exit_code == 2, result.output
+    assert (
+        "Invalid value for --kv-cache-gb: the KV cache holds 2 slots of 64 positions"
+        in result.output
+    )
+    assert "fewer than the batch of 3; raise it or lower --batch" in result.output

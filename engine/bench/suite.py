@@ -11,13 +11,16 @@ turns (``take_turns``: rep 1 of each, then rep 2 of each, in rotated order),
 so drift on a shared machine hits all of them alike. Figures come from the
 median run.
 
-Outputs are greedy. Every run of every configuration is compared token for
-token with transformers greedy at batch 1, the reference (its first timed
-run, plus one untimed run for requests only the batched configurations
-decode): any difference is a failure of the bench, reported with the first
-differing request. transformers' own batched run (left padding) may
-legitimately differ in float arithmetic; its differences are reported as a
-note, not a failure.
+Outputs are greedy. Every run of every configuration is compared with
+transformers greedy at batch 1, the reference (its first timed run, plus one
+untimed run for requests only the batched configurations decode), in
+``settings.compare``'s mode (``figures.py``). ``exact``: token for token;
+any difference is a failure of the bench, reported with the first differing
+request. transformers' own batched run (left padding) may legitimately
+differ in float arithmetic; its differences are reported as a note, not a
+failure. ``divergence`` (bfloat16 on CUDA): each request's first differing
+token and the mean common prefix, of the run that keeps the least, are
+reported and nothing fails.
 
 Figures and their definitions: ``bench_figures``.
 """
@@ -30,7 +33,17 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from metrale.engine.api import Request
-from metrale.engine.bench.figures import Figures, Side, WorkloadReport, first_mismatch
+from metrale.engine.bench.figures import (
+    Compare,
+    Divergence,
+    Figures,
+    Mismatch,
+    Side,
+    WorkloadReport,
+    divergence,
+    first_mismatch,
+    least_common,
+)
 from metrale.engine.bench.memory import PeakMemory, frozen_heap
 from metrale.engine.bench.runners import (
     HfRunner,
@@ -64,8 +77,11 @@ class BenchSettings:
     prompt_lookup: PromptLookupConfig = field(default_factory=PromptLookupConfig)
     mtp_ladder: MtpLadder = field(default_factory=MtpLadder)
     mtp_min_prob: float = MTP_MIN_PROB
+    compare: Compare = "exact"  # how outputs are compared (figures.py)
 
     def __post_init__(self) -> None:
+        if self.compare not in ("exact", "divergence"):
+            raise ValueError(f"compare must be exact or divergence, got {self.compare!r}")
         if self.single_prompts is not None and self.single_prompts < 1:
             raise ValueError("single_prompts must be at least 1")
         if self.repeats < 1:
@@ -274,9 +290,7 @@ def _figures(
     settings: BenchSettings,
 ) -> Figures:
     order = [r.request_id for r in workload.requests_for(config.batch, settings.single_prompts)]
-    mismatch = None
-    for outcome, _ in runs:
-        mismatch = mismatch or first_mismatch(reference, outcome.outputs, order)
+    mismatch, diverged = compare_outputs(reference, [o.outputs for o, _ in runs], order, settings)
     walls = tuple(outcome.wall_s for outcome, _ in runs)
     first = runs[0][0]
     figures = Figures(
@@ -290,6 +304,7 @@ def _figures(
         passes_per_token=first.forward_passes / max(first.generated_tokens, 1),
         peak_mb=_peak_mb(config, runs, subjects),
         mismatch=mismatch,
+        divergence=diverged,
     )
     stats = first.stats
     if stats is None:
@@ -306,6 +321,23 @@ def _figures(
         copy_accepted=stats.prompt_lookup.total.accepted,
         mtp_acceptance=acceptance,
     )
+
+
+def compare_outputs(
+    reference: dict[str, tuple[int, ...]],
+    runs: Sequence[dict[str, tuple[int, ...]]],
+    order: Sequence[str],
+    settings: BenchSettings,
+) -> tuple[Mismatch | None, Divergence | None]:
+    """Every run's outputs against the reference, in ``settings.compare``'s
+    mode: the first mismatch of any run (exact), or the divergence of the run
+    that keeps the shortest common prefix (divergence)."""
+    if settings.compare == "divergence":
+        return None, least_common([divergence(reference, outputs, order) for outputs in runs])
+    mismatch = None
+    for outputs in runs:
+        mismatch = mismatch or first_mismatch(reference, outputs, order)
+    return mismatch, None
 
 
 def _peak_mb(

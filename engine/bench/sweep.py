@@ -8,8 +8,9 @@ value, or a value the setting's own validation refuses. ``run_sweep`` runs
 metrale with MTP (when the model has MTP layers) and prompt lookup at the
 given batch size once per value, plus metrale with speculation off as the
 peer every ratio is taken against; runs take turns as in ``run_bench``, the
-median counts, and each value's greedy output must equal the peer's (a
-difference is a failure, reported with its first differing request).
+median counts, and each value's greedy output is compared with the peer's
+in ``settings.compare``'s mode (exact: a difference is a failure, reported
+with its first differing request; divergence: reported, never failed).
 ``mtp-drafts=N`` drafts N tokens at every batch size.
 """
 
@@ -19,7 +20,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from metrale.engine.bench.figures import Mismatch, first_mismatch
+from metrale.engine.bench.figures import Divergence, Mismatch
 from metrale.engine.bench.memory import frozen_heap
 from metrale.engine.bench.runners import MetraleRunner, Runner, Subjects
 from metrale.engine.bench.suite import (
@@ -29,6 +30,7 @@ from metrale.engine.bench.suite import (
     Speculation,
     TimedRuns,
     Workload,
+    compare_outputs,
     engine_config,
     timed_runs,
 )
@@ -62,7 +64,8 @@ class SweepPoint:
     copy_acceptance: float | None
     mtp_acceptance: float | None
     best: bool = False
-    mismatch: Mismatch | None = None
+    mismatch: Mismatch | None = None  # exact mode only
+    divergence: Divergence | None = None  # divergence mode only
 
 
 @dataclass(frozen=True)
@@ -165,9 +168,8 @@ def _report(
         stats = outcomes[0].stats
         assert stats is not None
         tps = outcomes[0].generated_tokens / statistics.median(o.wall_s for o in outcomes)
-        mismatch = None
-        for outcome in outcomes:
-            mismatch = mismatch or first_mismatch(reference, outcome.outputs, order)
+        outputs = [outcome.outputs for outcome in outcomes]
+        mismatch, diverged = compare_outputs(reference, outputs, order, settings)
         points.append(
             SweepPoint(
                 value=value,
@@ -179,6 +181,7 @@ def _report(
                 ),
                 mtp_acceptance=_rate(stats.mtp_accepted, stats.mtp_proposed),
                 mismatch=mismatch,
+                divergence=diverged,
             )
         )
     best = max(points, key=lambda p: p.tokens_per_s)

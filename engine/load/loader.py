@@ -310,7 +310,8 @@ def kv_budget(
     when no budget applies (the CPU without ``kv_cache_gb``)."""
     if runtime.kv_cache_gb is not None:
         gb = runtime.kv_cache_gb
-        return int(gb * GIB), "kv_cache_gb", f"{gb:g} GiB (kv_cache_gb)"
+        shown = f"{gb:.10f}".rstrip("0").rstrip(".")  # as given: 2, 0.0003, never 3e-04
+        return int(gb * GIB), "kv_cache_gb", f"{shown} GiB (kv_cache_gb)"
     if device.type != "cuda" or runtime.kv_budget_mb is not None:
         return None
     free, _ = torch.cuda.mem_get_info(device)
