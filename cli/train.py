@@ -3,7 +3,8 @@
 Contract: the command loads the frozen model (never its existing MTP layers),
 reads ``--data`` (text files, JSONL prompts the model answers itself, JSONL
 prompt + completion pairs; see ``metrale.engine.train.data``), trains one head
-with ``metrale.engine.train.trainer`` and writes ``OUT.safetensors`` (bfloat16) +
+with ``metrale.engine.train.trainer`` on ``--device`` (the model's: CUDA when
+available, as everywhere) and writes ``OUT.safetensors`` (bfloat16) +
 ``OUT.json`` (the card: data, tokens, steps, time, held-out acceptance).
 Generations, cached hidden states and checkpoints live in ``--work-dir``
 (default ``OUT.work``): running the same command again after an interrupt
@@ -31,6 +32,7 @@ from rich.progress import (
 )
 
 from metrale.cli.options import (
+    DeviceOpt,
     DtypeOpt,
     ModelOpt,
     RevisionOpt,
@@ -138,6 +140,7 @@ def train_mtp_command(
     gen_batch: Annotated[
         int, option("--gen-batch", "Prompts answered at once when generating.")
     ] = 16,
+    device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
@@ -160,7 +163,12 @@ def train_mtp_command(
             draft_vocab=draft_vocab,
         )
         runtime = RuntimeConfig(
-            num_slots=gen_batch, max_len=max_len, dtype=dtype, mtp=False, revision=revision
+            num_slots=gen_batch,
+            max_len=max_len,
+            device=device,
+            dtype=dtype,
+            mtp=False,
+            revision=revision,
         )
     except ValueError as exc:
         raise config_error(exc, TRAIN_FLAGS) from exc

@@ -10,7 +10,11 @@ plain causal attention instead of the slot KV cache:
 
 The embedding, LM head and RoPE tables are the frozen model's and are never
 trained. Everything computes in float32 (bfloat16 matmuls are very slow on
-CPUs without AMX), whatever dtype the hidden states were cached in.
+CPUs without AMX), whatever dtype the hidden states were cached in, on the
+model's device: the parameters are initialised on the CPU from the seed (the
+same head on every device) and moved there, and inputs, which the training
+cache keeps on the CPU, move there as they come in. ``tensors()`` come back
+on the CPU.
 
 ``chain_drafts`` reproduces the runtime's chain drafting for every position
 of a sequence at once: the depth-``d`` draft at base position ``p`` sits at
@@ -46,6 +50,7 @@ class TrainableHead(torch.nn.Module):
         self.lm_head = self.embed if model.tied else lm_head.float().clone()
         self.cos = model.rope.cos.float().clone()  # [max_len, head_dim]
         self.sin = model.rope.sin.float().clone()
+        self.device = self.embed.device
         gen = torch.Generator().manual_seed(seed)
         self.weights = torch.nn.ParameterDict()
         for name, shape in sorted(head_tensor_shapes(self.spec).items()):
@@ -61,11 +66,11 @@ class TrainableHead(torch.nn.Module):
                     # residual branches start small so the block begins near identity
                     value = value / math.sqrt(2.0)
             # ParameterDict keys may not hold dots
-            self.weights[_key(name)] = torch.nn.Parameter(value)
+            self.weights[_key(name)] = torch.nn.Parameter(value.to(self.device))
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The head's tensors under their file names (detached float32)."""
-        return {_name(k): v.detach().clone() for k, v in self.weights.items()}
+        """The head's tensors under their file names (detached float32, on the CPU)."""
+        return {_name(k): v.detach().cpu().clone() for k, v in self.weights.items()}
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -80,6 +85,7 @@ class TrainableHead(torch.nn.Module):
     def project(self, next_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """``eh_proj(cat[enorm(embed(next)), hnorm(h)])``: ``[n]``, ``[n, hidden]`` -> ``[n, hidden]``."""
         eps = self.spec.rms_norm_eps
+        next_ids, hidden = next_ids.to(self.device), hidden.to(self.device)
         emb = rms_norm(F.embedding(next_ids, self.embed), self.w("enorm.weight"), eps)
         hid = rms_norm(hidden.float(), self.w("hnorm.weight"), eps)
         return F.linear(torch.cat([emb, hid], dim=-1), self.w("eh_proj.weight"))
@@ -125,7 +131,7 @@ class TrainableHead(torch.nn.Module):
         """As ``forward``, also returning the block's keys and values (``[n, kv_heads, head_dim]``)."""
         n = next_ids.shape[0]
         x = self.project(next_ids, hidden)
-        q, k, v = self.qkv(x, torch.arange(n))
+        q, k, v = self.qkv(x, torch.arange(n, device=self.device))
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
         )  # [heads, n, head_dim]
@@ -155,8 +161,10 @@ class TrainableHead(torch.nn.Module):
         ctx_k = ctx_k.repeat_interleave(group, dim=1)  # [n, heads, head_dim]
         ctx_v = ctx_v.repeat_interleave(group, dim=1)
         scale = 1.0 / math.sqrt(spec.head_dim)
-        base = torch.arange(start, n)  # [m]
-        ctx_mask = base[:, None] >= torch.arange(n)[None, :]  # [m, n]: base p sees 0..p
+        base = torch.arange(start, n, device=self.device)  # [m]
+        ctx_mask = (
+            base[:, None] >= torch.arange(n, device=self.device)[None, :]
+        )  # [m, n]: p sees 0..p
         chain_k: list[torch.Tensor] = []
         chain_v: list[torch.Tensor] = []
         for d in range(2, depth + 1):

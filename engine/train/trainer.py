@@ -183,9 +183,10 @@ class Trainer:
         self.row_of: torch.Tensor | None = None  # [vocab] target id -> index in rows
         if config.vocab == "seen":
             seen = torch.cat([s.targets[self._first(s) :] for s in self.train])
-            self.rows = torch.unique(seen[seen >= 0])
-            self.row_of = torch.full((self.head.lm_head.shape[0],), -1, dtype=torch.long)
-            self.row_of[self.rows] = torch.arange(self.rows.shape[0])
+            rows = torch.unique(seen[seen >= 0])
+            row_of = torch.full((self.head.lm_head.shape[0],), -1, dtype=torch.long)
+            row_of[rows] = torch.arange(rows.shape[0])
+            self.rows, self.row_of = rows.to(self.head.device), row_of.to(self.head.device)
         self.plans = [self._epoch_batches(e) for e in range(config.epochs)]
         self.total_steps = sum(len(p) for p in self.plans)
         self.optimizer = torch.optim.AdamW(
@@ -235,7 +236,7 @@ class Trainer:
             seq = self.train[i]
             start = self._first(seq)
             y = self.head(seq.next_ids, seq.hidden)[start:]  # [m, hidden]
-            targets = seq.targets[start:]  # [m]
+            targets = seq.targets[start:].to(self.head.device)  # [m]
             if self.rows is not None and self.row_of is not None:
                 logits = self.head.logits(y, self.rows)  # [m, num_rows]
                 targets = torch.where(targets >= 0, self.row_of[targets.clamp(min=0)], -1)
@@ -243,7 +244,7 @@ class Trainer:
                 logits = self.head.logits(y)  # [m, vocab]
             # target -1: no known prediction there (a recorded prompt position)
             per_token = F.cross_entropy(logits, targets, reduction="none", ignore_index=-1)
-            weights = self._weights(seq)
+            weights = self._weights(seq).to(self.head.device)
             if self.config.feature_weight > 0:
                 per_token = per_token + self.config.feature_weight * self._feature_loss(seq, y)
             loss = (per_token * weights).sum() / total
@@ -257,7 +258,7 @@ class Trainer:
         """Per position ``[m]``: mean squared distance between the RMS-normalised
         ``y_p`` and ``h_{p+1}`` (0 at the last position, whose ``h_{p+1}`` is not cached)."""
         start = self._first(seq)
-        want = seq.hidden[start + 1 :].float()  # [m - 1, hidden]
+        want = seq.hidden[start + 1 :].to(y.device).float()  # [m - 1, hidden]
         got = y[: want.shape[0]]
         dist = (F.rms_norm(got, got.shape[-1:]) - F.rms_norm(want, want.shape[-1:])).pow(2)
         return F.pad(dist.mean(-1), (0, 1))
@@ -303,7 +304,7 @@ def evaluate(head: TrainableHead, sequences: Sequence[CachedSequence], depth: in
         if last < seq.first:
             continue
         # [depth, n - first]: drafts of base positions first..n-1
-        drafts = head.chain_drafts(seq.next_ids, seq.hidden, depth, start=seq.first)
+        drafts = head.chain_drafts(seq.next_ids, seq.hidden, depth, start=seq.first).cpu()
         base = torch.arange(seq.first, last + 1)
         ok = torch.ones(base.shape[0], dtype=torch.bool)
         for d in range(depth):
@@ -331,7 +332,9 @@ def train_mtp(
     trainer = Trainer(model, train, config)
     checkpoint = work_dir / "checkpoint.pt" if work_dir is not None else None
     if checkpoint is not None and checkpoint.exists():
-        trainer.restore(torch.load(checkpoint, weights_only=False))
+        # On the CPU first: a run resumed on another device than it began on
+        # (the optimizer's state follows its parameters as it loads).
+        trainer.restore(torch.load(checkpoint, weights_only=False, map_location="cpu"))
     stop = min(trainer.total_steps, config.max_steps or trainer.total_steps)
     loss, tick = math.nan, time.perf_counter()
     report: EvalReport | None = None
