@@ -61,8 +61,9 @@ def describe_device(device: str) -> str:
         return device
     import torch
 
-    props = torch.cuda.get_device_properties(torch.device(device))
-    return f"{device} ({torch.cuda.get_device_name(torch.device(device))}, {props.total_memory / 2**30:.1f} GiB)"
+    gpu = torch.device(device)
+    total = torch.cuda.get_device_properties(gpu).total_memory
+    return f"{device} ({torch.cuda.get_device_name(gpu)}, {total / 2**30:.1f} GiB)"
 
 
 def describe_kv_cache(facts: ModelInfo) -> str:

@@ -151,7 +151,8 @@ def test_a_loaded_cache_has_the_predicted_shape(tiny: Path) -> None:
     loaded = load_model(tiny, runtime)
     predicted = size_kv_cache(int(0.0003 * GIB), TINY, max_slots=4, context_len=512)
     assert (predicted.num_slots, predicted.max_len) == (4, 104)  # 322,122 // (4 x 768)
-    for cache in [loaded.model.stack.cache, *(m.stack.cache for m in loaded.mtp)]:  # type: ignore[attr-defined]
+    caches = [loaded.model.stack.cache, *(m.stack.cache for m in loaded.mtp)]  # type: ignore[attr-defined]
+    for cache in caches:
         assert isinstance(cache, SlotKVCache)
         assert all(k.shape == (4, 2, 104, 16) for k in cache.keys + cache.values)
     info = loaded.info
