@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from metrale.engine.load.checkpoint import read_checkpoint
+from metrale.engine.runtime.kv_cache import SlotKVCache
+from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.model import Segment
 from metrale.engine.runtime.mtp import detect_mtp, load_checkpoint_mtp
 from metrale.engine.runtime.static_step import (
@@ -28,7 +30,7 @@ HEADROOM = 8
 MAX_LEN = 48
 
 
-def _prefill(model, prompts: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
+def _prefill(model: LlamaModel, prompts: list[list[int]]) -> None:
     model.forward([Segment(slot, 0, ids) for slot, ids in enumerate(prompts)], logits="last")
 
 
@@ -63,6 +65,8 @@ def test_static_rows_equal_the_ragged_forward_padded_rows_and_all(
             row += 1
     # Every real position of every cache (slot 3's prompt included) is untouched
     # by the padded rows.
+    assert isinstance(ragged.stack.cache, SlotKVCache)
+    assert isinstance(static.stack.cache, SlotKVCache)
     for layer in range(len(ragged.stack.cache.keys)):
         for slot, prompt in enumerate(prompts):
             end = len(prompt) + len(feeds.get(slot, []))
@@ -130,7 +134,6 @@ def test_graphs_are_off_on_the_cpu() -> None:
 def test_graph_replay_equals_eager_on_cuda(tmp_path: Path) -> None:
     path = write_tiny_checkpoint(tmp_path / "llama", "llama")
     ckpt = read_checkpoint(path)
-    from metrale.engine.runtime.llama import LlamaModel
 
     def build() -> LlamaModel:
         return LlamaModel(
