@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The shipped sample workload `make run` generates on.
 RUN_INPUT ?= sample_prompts/code_edits.jsonl
 
-.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine bench-startup bench-grammar bench-ray bench-budget mtp-head mtp-eval clean
+.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine bench-startup bench-grammar bench-ray bench-budget mtp-head mtp-eval gpu-check gpu-wheels clean
 
 all: test
 
@@ -117,6 +117,43 @@ mtp-head: setup
 # Held-out figures of the shipped head on sample_prompts/ (MTP only, chain 3).
 mtp-eval: setup
 	nice -n 10 $(PY) training/eval_head.py --json build/mtp_eval.json
+
+# The prepared GPU check (issue 16, tests/gpu_check.py): parity with
+# transformers, readbacks per step, the CUDA graphs captured and MiMo-7B-shaped
+# step times, into build/gpu-check.json. Here `make gpu-check DEVICE=cpu` is
+# its dry run, in the venv. On a GPU machine with no network, whose python has
+# torch and transformers: `make gpu-check GPU_PYTHON=python3` runs it with that
+# python and no venv, after tests/gpu_setup.sh has installed what it lacks
+# from build/gpu-wheels (made here by `make gpu-wheels`; carry that folder).
+# GPU_CHECK_ARGS adds flags, e.g. "--bench tiny" (python -m tests.gpu_check --help).
+DEVICE ?= cuda
+GPU_PYTHON ?=
+GPU_CHECK_ARGS ?=
+GPU_WHEELS := build/gpu-wheels
+GPU_SITE := build/gpu-site
+ifeq ($(GPU_PYTHON),)
+gpu-check: setup
+	$(PY) -m tests.gpu_check --device $(DEVICE) --out build/gpu-check.json $(GPU_CHECK_ARGS)
+else
+gpu-check:
+	bash tests/gpu_setup.sh $(GPU_PYTHON) $(GPU_WHEELS) $(GPU_SITE)
+	PYTHONPATH=$(CURDIR)/$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m tests.gpu_check \
+		--device $(DEVICE) --out build/gpu-check.json $(GPU_CHECK_ARGS)
+endif
+
+# The wheels a GPU machine's image is likely to lack of what metrale imports
+# (torch, transformers and their dependencies come with it), at the versions
+# in the venv, for CPython 3.10-3.12 on x86-64 Linux.
+GPU_WHEEL_PACKAGES := llguidance orjson gguf
+GPU_WHEEL_PLATFORMS := manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+gpu-wheels: setup
+	rm -rf $(GPU_WHEELS)
+	@pins=$$($(PY) -c 'import sys; from importlib.metadata import version; print(" ".join(f"{p}=={version(p)}" for p in sys.argv[1:]))' $(GPU_WHEEL_PACKAGES)) && \
+	for v in 3.10 3.11 3.12; do \
+		$(PIP) download --quiet --no-deps --only-binary=:all: --implementation cp --python-version $$v \
+			$(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d $(GPU_WHEELS) $$pins || exit 1; \
+	done
+	@ls $(GPU_WHEELS) && du -sh $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache
