@@ -48,6 +48,8 @@ from metrale.cli.options import (
     RayOpt,
     RayWorkersOpt,
     RevisionOpt,
+    StepPath,
+    StepPathOpt,
     WeightsOpt,
     config_error,
     load_error,
@@ -64,6 +66,7 @@ from metrale.engine.config import (
     MtpLadder,
     RuntimeConfig,
     SharedLookupSettings,
+    StepPathError,
 )
 from metrale.lookup import PromptLookupConfig
 
@@ -159,6 +162,7 @@ def generate(
         ),
     ] = True,
     draft_policy: DraftPolicyOpt = DraftPolicy.auto,
+    step_path: StepPathOpt = StepPath.auto,
     max_batch: MaxBatchOpt = 16,
     max_len: MaxLenOpt = None,
     kv_cache_gb: KvCacheGbOpt = None,
@@ -221,6 +225,7 @@ def generate(
             shared_lookup=SharedLookupSettings(cache_mb=pl_shared_mb, scopes=pl_shared_scopes),
             forced_drafts=forced_drafts,
             draft_policy=draft_policy.value,
+            step_path=step_path.value,
         )
         runtime = RuntimeConfig(
             device=device,
@@ -317,6 +322,8 @@ def _load(
         return open_backend(model, runtime, engine)
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except StepPathError as exc:  # the model loaded, but not for that step
+        raise config_error(exc) from exc
     except (OSError, ValueError) as exc:  # CheckpointError is a ValueError
         raise load_error(exc, runtime.mtp_head) from exc
 

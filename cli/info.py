@@ -42,16 +42,22 @@ from metrale.engine.config import RuntimeConfig
 if TYPE_CHECKING:
     from metrale.engine.load.loader import ModelInfo
 
+
 # What the CUDA step captures, until the engine lists its captured shapes.
-LAZY_GRAPHS = "captured lazily per (batch bucket x verify width) on CUDA"
-
-
-def graph_shapes(device: str) -> str:
-    """The step's CUDA graph shapes as `info` shows them: none on the CPU,
-    which runs every forward eagerly."""
+def graph_shapes(device: str, num_slots: int) -> str:
+    """The device step's CUDA graph shapes as `info` shows them (they are
+    captured lazily, as a run first needs each one); none on the CPU, which
+    runs every forward eagerly."""
     if not device.startswith("cuda"):
         return "none on the CPU (every forward runs eagerly)"
-    return LAZY_GRAPHS
+    from metrale.engine.runtime.static_step import MAX_GRAPHS, MIN_CTX, WIDTHS, batch_buckets
+
+    batches = ", ".join(map(str, batch_buckets(num_slots)))
+    widths = ", ".join(map(str, WIDTHS))
+    return (
+        f"captured lazily: verify, MTP feed and chain at batch {batches} x width {widths} "
+        f"x context (powers of two from {MIN_CTX}); at most {MAX_GRAPHS} kept"
+    )
 
 
 def describe_device(device: str) -> str:
@@ -69,10 +75,11 @@ def describe_device(device: str) -> str:
 def describe_kv_cache(facts: ModelInfo) -> str:
     """``4 x 512 positions, 0.00146 GiB``, then why on a line of its own."""
     from metrale.engine.runtime.kv_sizing import gib
+    from metrale.engine.runtime.static_step import HEADROOM
 
     return (
-        f"{facts.num_slots} x {facts.max_len:,} positions, {gib(facts.kv_cache_bytes)} GiB\n"
-        + with_flags(facts.kv_limit)
+        f"{facts.num_slots} x {facts.max_len:,} positions (+{HEADROOM} for padded verify rows), "
+        f"{gib(facts.kv_cache_bytes)} GiB\n" + with_flags(facts.kv_limit)
     )
 
 
@@ -147,7 +154,7 @@ def info(
         ("MTP layers", mtp_text),
         ("KV bytes per token", f"{facts.kv_bytes_per_token:,} (as the cache stores it)"),
         ("KV cache", describe_kv_cache(facts)),
-        ("graphs", graph_shapes(facts.device)),
+        ("graphs", graph_shapes(facts.device, facts.num_slots)),
         ("EOS ids", ", ".join(map(str, loaded.eos_token_ids))),
         ("load time", f"{facts.load_s:.2f} s"),
     ]

@@ -262,6 +262,27 @@ DraftPolicyOpt = Annotated[
         panel=SPECULATION,
     ),
 ]
+
+
+class StepPath(enum.StrEnum):
+    """``auto``: the device step on CUDA, the host step on the CPU;
+    ``device``: each step's verify, acceptance and MTP chain as device tensor
+    ops with one readback (forced on the CPU it runs the GPU's code there);
+    ``host``: the step that decides on the host (``engine/device_step.py``)."""
+
+    auto = "auto"
+    device = "device"
+    host = "host"
+
+
+StepPathOpt = Annotated[
+    StepPath,
+    option(
+        "--step-path",
+        "auto: the device step on CUDA, the host step on the CPU; device or host: that one.",
+        panel=RUNTIME,
+    ),
+]
 RayOpt = Annotated[
     str | None,
     option(
@@ -335,6 +356,7 @@ FIELD_FLAGS: dict[str, str] = {
     "mtp_ladder": "--mtp-drafts",
     "mtp_min_prob": "--mtp-min-prob",
     "draft_policy": "--draft-policy",
+    "step_path": "--step-path",
     "ngram": "--prompt-lookup-ngram",
     "max_drafts": "--prompt-lookup-max-drafts",
     "max_seqs": "--prompt-lookup-max-seqs",

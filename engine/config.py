@@ -88,6 +88,11 @@ class SharedLookupSettings:
             raise ValueError(f"scopes must be at least 1, got {self.scopes}")
 
 
+class StepPathError(ValueError):
+    """``step_path="device"`` for a model the device step cannot run
+    (``device_step.py``); the message names the field (``step_path: ...``)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Scheduler settings. ``prompt_lookup is None`` turns copies off;

@@ -44,9 +44,11 @@ from typing import Any, Protocol
 
 import torch
 
-from metrale.engine.config import EngineConfig
+from metrale.engine.config import EngineConfig, StepPathError
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
 from metrale.engine.runtime.static_step import (
+    HEADROOM,
+    MAX_GRAPHS,
     WIDTHS,
     GraphCache,
     batch_buckets,
@@ -63,7 +65,7 @@ from metrale.engine.spec.device_accept import (
 )
 
 # A device verify is at most this wide: its cache headroom (static_step.py).
-MAX_WIDTH = WIDTHS[-1]
+MAX_WIDTH = HEADROOM
 
 
 def device_step_for(model: Any, mtp: Sequence[Any], config: EngineConfig) -> DeviceStep | None:
@@ -76,7 +78,7 @@ def device_step_for(model: Any, mtp: Sequence[Any], config: EngineConfig) -> Dev
     problem = _cannot_run(model, mtp)
     if problem is not None:
         if path == "device":
-            raise ValueError(f"step_path device: {problem}")
+            raise StepPathError(f"step_path: device cannot run this model: {problem}")
         return None
     ladder = config.mtp_ladder
     return DeviceStep(
@@ -170,7 +172,9 @@ class VerifyOut:
 class StaticStep:
     """The main model's static forward, through a graph per shape on CUDA."""
 
-    def __init__(self, model: StaticModel, graphs: bool = True, max_graphs: int = 24) -> None:
+    def __init__(
+        self, model: StaticModel, graphs: bool = True, max_graphs: int = MAX_GRAPHS
+    ) -> None:
         self.model = model
         self.graphs = GraphCache(model.device, graphs, max_graphs)
 

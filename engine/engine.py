@@ -292,6 +292,7 @@ class Engine:
             )
             self._counters.prompt_tokens += len(request.prompt_ids)
             if self._device is not None and seq.prompt_len == 1:
+                seq.drafts_declined = self._has_mtp  # no chain yet (_prefill_chunk)
                 self._decoding.append(seq)  # nothing before its last token to prefill
             else:
                 self._prefilling.append(seq)
@@ -365,6 +366,8 @@ class Engine:
                 self._prefilling.remove(seq)
                 if self._device is None:
                     self._emit_first(seq, out.logits[row])
+                else:  # its first verify has no chain yet: a copy may stand in
+                    seq.drafts_declined = self._has_mtp
                 (done if seq.finished else self._decoding).append(seq)
             if self._device is not None and self._has_mtp:
                 next_ids = seq.history[start + 1 : seq.seq_len + 1]  # prompt tokens only
@@ -463,6 +466,8 @@ class Engine:
         self._counters.verifies += 1
         for seq, out in zip(batch, self._device.run(rows), strict=True):
             self._settle_verify(seq, out.emitted)
+            # No chain this time (none sure enough): a copy may stand in, as on the host.
+            seq.drafts_declined = chain > 0 and not out.drafts
             if not seq.finished and out.drafts:
                 sampled = not seq.request.params.greedy
                 probs = self._device.draft_probs(seq.slot, len(out.drafts)) if sampled else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import torch
 
@@ -188,7 +189,7 @@ def test_a_grammar_is_refused_by_name_on_the_device_step(checkpoints: dict[str, 
 
 def test_a_model_the_device_step_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
     path = write_tiny_checkpoint(tmp_path / "two", "qwen2", mtp_layout="mimo", num_mtp_layers=2)
-    with pytest.raises(ValueError, match="step_path device: 2 stacked MTP modules"):
+    with pytest.raises(ValueError, match="step_path: device cannot run this model: 2 stacked MTP"):
         _engine(path, "device")
     # auto on the CPU runs the host step.
     assert _engine(path, "auto").step_path == "host"
@@ -225,3 +226,32 @@ def test_the_cuda_step_with_graphs_equals_the_cpu_host_step(checkpoints: dict[st
     want = _outputs(_engine(path, "host"), requests)
     assert _outputs(engine, requests) == want
     assert engine.graph_shapes(), "the verify, feed and chain shapes were captured"
+
+
+def test_generate_step_path_device_writes_what_the_host_step_writes(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from metrale.cli.main import app
+
+    path = write_tiny_checkpoint(tmp_path / "mimo", "qwen2", mtp_layout="mimo")
+    lines = "".join(
+        f'{{"id": "l{i}", "prompt": "{text}", "max_tokens": 12}}\n'
+        for i, text in enumerate(["abc abc abc", "hello there", "x y x y x y"])
+    )
+    base = ["generate", "--model", str(path), "--device", "cpu", "--dtype", "float32"]
+    outputs = {}
+    for step in ("host", "device"):
+        result = CliRunner().invoke(app, [*base, "--step-path", step], input=lines)
+        assert result.exit_code == 0, result.output
+        records = [orjson.loads(line) for line in result.stdout.splitlines()]
+        outputs[step] = sorted((r["id"], r["text"], r["usage"]) for r in records)
+    assert outputs["device"] == outputs["host"]
+    two = write_tiny_checkpoint(tmp_path / "two", "qwen2", mtp_layout="mimo", num_mtp_layers=2)
+    result = CliRunner().invoke(
+        app,
+        ["generate", "--model", str(two), "--device", "cpu", "--step-path", "device"],
+        input=lines,
+    )
+    assert result.exit_code == 2, result.output
+    flat = " ".join(result.output.replace("│", " ").split())  # the usage panel's lines joined
+    assert "--step-path: device cannot run this model: 2 stacked MTP modules" in flat

@@ -27,6 +27,7 @@ from metrale.engine.runtime.kv_sizing import (
     kv_bytes_per_position,
     size_kv_cache,
 )
+from metrale.engine.runtime.static_step import HEADROOM
 from tests.checkpoints import write_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -149,22 +150,27 @@ def test_bytes_per_position_count_each_mtp_module_as_one_layer(tmp_path: Path) -
 def test_a_loaded_cache_has_the_predicted_shape(tiny: Path) -> None:
     runtime = RuntimeConfig(device="cpu", dtype="float32", num_slots=4, kv_cache_gb=0.0003)
     loaded = load_model(tiny, runtime)
-    predicted = size_kv_cache(int(0.0003 * GIB), TINY, max_slots=4, context_len=512)
-    assert (predicted.num_slots, predicted.max_len) == (4, 104)  # 322,122 // (4 x 768)
+    predicted = size_kv_cache(
+        int(0.0003 * GIB), TINY, max_slots=4, context_len=512, headroom=HEADROOM
+    )
+    # 322,122 // (4 x 768) = 104 positions a slot, 16 of them the device step's headroom.
+    assert (predicted.num_slots, predicted.max_len) == (4, 88)
     caches = [loaded.model.stack.cache, *(m.stack.cache for m in loaded.mtp)]  # type: ignore[attr-defined]
     for cache in caches:
         assert isinstance(cache, SlotKVCache)
         assert all(k.shape == (4, 2, 104, 16) for k in cache.keys + cache.values)
     info = loaded.info
-    assert (info.num_slots, info.max_len, info.kv_cache_bytes) == (4, 104, 4 * 104 * TINY)
+    assert (info.num_slots, info.max_len, info.kv_cache_bytes) == (4, 88, 4 * 104 * TINY)
+    assert info.kv_cache_bytes <= int(0.0003 * GIB)
     assert info.kv_limit == (
-        "4 slots of 104 positions, what a KV cache of 0.0003 GiB (kv_cache_gb) holds at 4 slots"
+        "4 slots of 88 positions, what a KV cache of 0.0003 GiB (kv_cache_gb) holds at 4 slots"
     )
     asked = load_model(
         tiny,
-        RuntimeConfig(device="cpu", dtype="float32", num_slots=4, max_len=64, kv_cache_gb=0.0001),
+        RuntimeConfig(device="cpu", dtype="float32", num_slots=4, max_len=64, kv_cache_gb=0.0002),
     )
-    assert (asked.model.num_slots, asked.model.max_len) == (2, 64)  # 107,374 // (64 x 768)
+    # 214,748 // ((64 + 16) x 768) = 3 slots.
+    assert (asked.model.num_slots, asked.model.max_len) == (3, 64)
     assert "as max_len sets; the most slots" in asked.info.kv_limit
 
 
@@ -245,13 +251,13 @@ def test_a_budget_too_small_for_the_model_is_a_usage_error_on_the_flag(tiny: Pat
         "Invalid value for --kv-cache-gb: a KV cache of 0.00001 GiB holds no slot of 256"
         in result.output
     )
-    assert "the minimum is 0.000184 GiB (one slot)" in result.output  # 256 x 768 bytes
+    assert "the minimum is 0.000195 GiB (one slot)" in result.output  # (256 + 16) x 768 bytes
 
 
 def test_info_shows_the_cache_generate_would_get(tiny: Path) -> None:
     result = invoke(["info", str(tiny), *TINY_ARGS, "--kv-cache-gb", "0.0003"])
     assert result.exit_code == 0, result.output
-    assert "4 x 104 positions, 0.000298 GiB" in result.output
+    assert "4 x 88 positions (+16 for padded verify rows), 0.000298 GiB" in result.output
     assert "what a KV cache of 0.0003 GiB (--kv-cache-gb) holds at 4 slots" in result.output
     assert "none on the CPU" in result.output and "device              cpu" in result.output
 
@@ -262,7 +268,7 @@ def test_an_over_long_line_gets_an_error_record_naming_the_limit_and_the_rest_ar
     lines = [
         {"id": "short", "prompt": "hello", "max_tokens": 8},
         {"id": "long", "prompt": "x" * 120, "max_tokens": 8},
-        {"id": "fits", "prompt": "y" * 90, "max_tokens": 8},
+        {"id": "fits", "prompt": "y" * 70, "max_tokens": 8},
     ]
     text = "".join(orjson.dumps(line).decode() + "\n" for line in lines)
     result = invoke(
@@ -277,11 +283,11 @@ def test_an_over_long_line_gets_an_error_record_naming_the_limit_and_the_rest_ar
     error = out["long"]["error"]
     assert out["long"]["finish_reason"] == "error" and error["field"] == "prompt"
     assert error["message"] == (
-        "too long: 120 prompt tokens + max_tokens 8 exceed the model's 104 positions (4 slots of "
-        "104 positions, what a KV cache of 0.0003 GiB (--kv-cache-gb) holds at 4 slots); "
+        "too long: 120 prompt tokens + max_tokens 8 exceed the model's 88 positions (4 slots of "
+        "88 positions, what a KV cache of 0.0003 GiB (--kv-cache-gb) holds at 4 slots); "
         "shorten it or lower max_tokens"
     )
-    assert math.isclose(0.0003 * GIB // (4 * TINY), 104)
+    assert math.isclose(0.0003 * GIB // (4 * TINY) - HEADROOM, 88)
 
 
 def test_bench_refuses_a_cache_holding_fewer_slots_than_its_batch(
@@ -290,9 +296,9 @@ def test_bench_refuses_a_cache_holding_fewer_slots_than_its_batch(
     workload = tmp_path / "w.jsonl"
     workload.write_text('{"prompt": "abc abc abc"}\n{"prompt": "xyz xyz"}\n')
     # The bench's slots are 64 positions long (the longest line, rounded up):
-    # 0.0001 GiB = 107,374 bytes hold 2 such slots of 768 bytes a position.
+    # 0.00013 GiB = 139,586 bytes hold 2 such slots of (64 + 16 headroom) x 768 bytes.
     args = ["bench", str(workload), "--model", str(tiny), "--device", "cpu", "--batch", "3"]
-    result = invoke([*args, "--repeats", "1", "--max-tokens", "4", "--kv-cache-gb", "0.0001"])
+    result = invoke([*args, "--repeats", "1", "--max-tokens", "4", "--kv-cache-gb", "0.00013"])
     assert result.exit_code == 2, result.output
     assert (
         "Invalid value for --kv-cache-gb: the KV cache holds 2 slots of 64 positions"

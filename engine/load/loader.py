@@ -61,6 +61,7 @@ from metrale.engine.runtime.model import Model, MtpModule
 from metrale.engine.runtime.mtp import MtpFound, detect_mtp, load_checkpoint_mtp
 from metrale.engine.runtime.mtp_head import MtpHeadError, head_paths, load_mtp_head
 from metrale.engine.runtime.packed import Bf16Source, PackedSource, PackedStore, PackedWeight
+from metrale.engine.runtime.static_step import HEADROOM
 from metrale.engine.runtime.weights import WeightStore
 
 
@@ -133,6 +134,9 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
         dtype=dtype,
         device=device,
         packed=packed,
+        # Every slot keeps room for the device step's padded rows, so either
+        # step runs any loaded model (static_step.py).
+        headroom=HEADROOM,
     )
     release_free_heap()
     mtp = _load_mtp(model, checkpoint, found, head, kernel)
@@ -285,13 +289,18 @@ def size_cache(
         source: PositionsFrom = "max_len" if runtime.max_len else "context"
         if runtime.kv_budget_mb is not None and max_len < asked:
             source = "budget"
-        sizing = KvSizing(runtime.num_slots, max_len, per_position, source)
+        sizing = KvSizing(runtime.num_slots, max_len, per_position, source, headroom=HEADROOM)
         older = runtime.kv_budget_mb
         return sizing, sizing.describe(None if older is None else f"{older} MB (kv_budget_mb)")
     budget_bytes, field, where = budget
     try:
         sizing = size_kv_cache(
-            budget_bytes, per_position, runtime.num_slots, spec.context_len, runtime.max_len
+            budget_bytes,
+            per_position,
+            runtime.num_slots,
+            spec.context_len,
+            runtime.max_len,
+            headroom=HEADROOM,
         )
     except ValueError as exc:
         whence = "" if field == "kv_cache_gb" else f" (the budget: {where})"

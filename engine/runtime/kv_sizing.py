@@ -7,15 +7,20 @@ slots of ``max_len`` positions each, every position holding
 MTP module (``kv_bytes_per_position``). The result always fits:
 ``num_slots * max_len * bytes_per_position <= budget_bytes``.
 
+A slot also keeps ``headroom`` positions past ``max_len``, where the device
+step's padded verify rows write (``static_step.py``; the loader asks for
+``static_step.HEADROOM``, 16): they come out of the same budget, so below a
+slot costs ``(max_len + headroom) * bytes_per_position``.
+
 The rule (the README states it too, beside ``--kv-cache-gb``):
 
 - **a ``max_len`` that was asked for is kept, and the batch shrinks**:
-  ``num_slots = min(max_slots, budget // (max_len * bytes_per_position))``.
+  ``num_slots = min(max_slots, budget // ((max_len + headroom) * bytes_per_position))``.
   Fewer than one slot is an error naming the budget and the minimum (one
   slot of ``max_len``).
 - **otherwise the batch is kept, and positions shrink**: ``num_slots =
   max_slots`` and ``max_len = min(context_len, budget // (max_slots *
-  bytes_per_position))``. Fewer than ``MIN_POSITIONS`` per slot is an error
+  bytes_per_position) - headroom)``. Fewer than ``MIN_POSITIONS`` per slot is an error
   naming the budget and the minimum (``max_slots`` slots of
   ``MIN_POSITIONS``).
 
@@ -39,6 +44,8 @@ of 128, so ``37 * 2 * 1024 * 2`` = 151,552 bytes per position; context
 - ``max_len`` 32,768: ``21,474,836,480 // (32,768 * 151,552)`` = 4 slots of
   32,768 positions;
 - ``max_len`` 4,096: 34 slots fit, so ``max_slots``: 16 slots of 4,096.
+
+With the loader's headroom of 16 the first is 16 slots of 8,840 positions.
 """
 
 from __future__ import annotations
@@ -69,11 +76,12 @@ class KvSizing:
     positions_from: PositionsFrom
     slots_cut: bool = False
     budget_bytes: int | None = None
+    headroom: int = 0  # positions past max_len each slot also keeps
 
     @property
     def cache_bytes(self) -> int:
         """What the caches take: every slot, every position, every stack."""
-        return self.num_slots * self.max_len * self.bytes_per_position
+        return self.num_slots * (self.max_len + self.headroom) * self.bytes_per_position
 
     def describe(self, budget: str | None = None) -> str:
         """Why the cache has this shape, in a clause a message can quote:
@@ -108,6 +116,7 @@ def size_kv_cache(
     max_slots: int,
     context_len: int,
     max_len: int | None = None,
+    headroom: int = 0,
 ) -> KvSizing:
     """Slots and positions per slot within ``budget_bytes`` (module doc's
     rule). Raises ``ValueError`` naming the budget and the minimum when even
@@ -123,7 +132,7 @@ def size_kv_cache(
     assert bytes_per_position > 0 and max_slots >= 1 and context_len >= MIN_POSITIONS
     assert max_len is None or MIN_POSITIONS <= max_len <= context_len, "max_len within context"
     if max_len is not None:
-        slot_bytes = max_len * bytes_per_position
+        slot_bytes = (max_len + headroom) * bytes_per_position
         fits = budget_bytes // slot_bytes
         if fits < 1:
             raise ValueError(
@@ -133,19 +142,21 @@ def size_kv_cache(
             )
         slots = min(max_slots, fits)
         return KvSizing(
-            slots, max_len, bytes_per_position, "max_len", slots < max_slots, budget_bytes
+            slots, max_len, bytes_per_position, "max_len", slots < max_slots, budget_bytes, headroom
         )
-    fits = budget_bytes // (max_slots * bytes_per_position)
+    fits = budget_bytes // (max_slots * bytes_per_position) - headroom
     if fits < MIN_POSITIONS:
-        least = max_slots * MIN_POSITIONS * bytes_per_position
+        least = max_slots * (MIN_POSITIONS + headroom) * bytes_per_position
         raise ValueError(
             f"a KV cache of {gib(budget_bytes)} GiB holds {fits} positions per slot for "
             f"{max_slots} slots: the minimum is {gib(least, up=True)} GiB ({max_slots} slots of "
             f"{MIN_POSITIONS}); raise the budget or use fewer slots"
         )
     if fits >= context_len:
-        return KvSizing(max_slots, context_len, bytes_per_position, "context", False, budget_bytes)
-    return KvSizing(max_slots, fits, bytes_per_position, "budget", False, budget_bytes)
+        return KvSizing(
+            max_slots, context_len, bytes_per_position, "context", False, budget_bytes, headroom
+        )
+    return KvSizing(max_slots, fits, bytes_per_position, "budget", False, budget_bytes, headroom)
 
 
 def gib(num_bytes: int, up: bool = False) -> str:

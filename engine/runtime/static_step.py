@@ -42,10 +42,15 @@ import torch
 
 from metrale.engine.runtime.kv_cache import RowPlan
 
-# Verify widths and batch buckets a static forward is built for.
+# Verify widths a static forward is built for.
 WIDTHS = (1, 2, 4, 8, 16)
+# Cache positions past ``max_len`` every slot keeps for padded rows: the
+# widest static verify (the loader gives every model this much).
+HEADROOM = WIDTHS[-1]
 # Context buckets grow by doubling from this, so a run captures few shapes.
 MIN_CTX = 256
+# Captured graphs kept at once (the oldest is dropped).
+MAX_GRAPHS = 24
 
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -114,7 +119,7 @@ def static_plan(
 class GraphCache:
     """Captured CUDA graphs by key, in one pool (module doc); eager elsewhere."""
 
-    def __init__(self, device: torch.device, enabled: bool, max_graphs: int = 24) -> None:
+    def __init__(self, device: torch.device, enabled: bool, max_graphs: int = MAX_GRAPHS) -> None:
         self.enabled = enabled and device.type == "cuda"
         self.max_graphs = max_graphs
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()
