@@ -110,3 +110,29 @@ def test_greedy_decoding_reproduces_transformers_generate(loaded: LoadedModel) -
             )[0, len(ids) :].tolist()
             assert theirs, "transformers generated nothing"
             assert ours[: len(theirs)] == theirs
+
+
+@pytest.mark.slow
+def test_the_device_step_forced_on_the_cpu_equals_the_host_step(loaded: LoadedModel) -> None:
+    """The shipped head's drafts are often right, so here the device step's
+    accepted MTP drafts and copies (which random checkpoints never accept)
+    must leave the output the host step's."""
+    from metrale.engine.api import Request, SamplingParams
+    from metrale.engine.config import EngineConfig
+    from metrale.engine.engine import Engine
+
+    requests = [
+        Request(
+            request_id=str(i),
+            prompt_ids=tuple(user_prompt_ids(loaded.tokenizer, p)),
+            params=SamplingParams(max_tokens=32),
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
+    outputs, stats = {}, {}
+    for path in ("host", "device"):
+        engine = Engine.from_loaded(loaded, EngineConfig(step_path=path, draft_policy="fixed"))
+        outputs[path] = {r.request_id: r.output_ids for r in engine.generate(requests)}
+        stats[path] = engine.stats()
+    assert outputs["device"] == outputs["host"]
+    assert stats["device"].mtp_accepted > 0, "the device chain's drafts were accepted"
