@@ -225,7 +225,9 @@ def generate(
             shared_lookup=SharedLookupSettings(cache_mb=pl_shared_mb, scopes=pl_shared_scopes),
             forced_drafts=forced_drafts,
             draft_policy=draft_policy.value,
-            step_path=step_path.value,
+            # Every line is constrained under --json-schema, and grammars run on
+            # the host step only: auto picks it rather than fail each line.
+            step_path="host" if json_schema and step_path is StepPath.auto else step_path.value,
         )
         runtime = RuntimeConfig(
             device=device,
