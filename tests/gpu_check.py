@@ -33,12 +33,14 @@ the others still run. Its keys:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -252,7 +254,7 @@ def readbacks(
         runs: list[dict[str, Any]] = []
         for tokens in (4, 4 + max_tokens):
             before = engine.stats()
-            with count_syncs() as syncs:
+            with count_syncs() as syncs, cuda_syncs(device) as seen:
                 generate(engine, prompts, tokens)
             after = engine.stats()
             runs.append(
@@ -263,6 +265,8 @@ def readbacks(
                     "readbacks": syncs.readbacks,
                     "uploads": syncs.uploads,
                     "by_kind": dict(syncs.by_kind),
+                    "cuda_syncs": len(seen),
+                    "cuda_sync_kinds": sorted(set(seen))[:8],
                 }
             )
         short, long = runs
@@ -272,10 +276,32 @@ def readbacks(
             "runs": runs,
             "readbacks_per_step": (long["readbacks"] - short["readbacks"]) / steps,
             "uploads_per_step": (long["uploads"] - short["uploads"]) / steps,
-            "step_readbacks": getattr(engine, "step_readbacks", None),
+            # What CUDA itself reports as synchronizing (torch's sync debug
+            # mode), beyond the step's one event sync; None off CUDA.
+            "cuda_syncs_per_step": (long["cuda_syncs"] - short["cuda_syncs"]) / steps
+            if device.type == "cuda"
+            else None,
         }
         shapes.update(tuple(s) for s in graph_shapes(engine))
     return out, sorted((list(s) for s in shapes), key=str)
+
+
+@contextlib.contextmanager
+def cuda_syncs(device: torch.device) -> Iterator[list[str]]:
+    """The messages of every synchronizing CUDA operation torch's sync debug
+    mode reports while open (none recorded off CUDA)."""
+    seen: list[str] = []
+    if device.type != "cuda":
+        yield seen
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield seen
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    seen.extend(str(w.message).splitlines()[0][:120] for w in caught)
 
 
 def check_readbacks(
