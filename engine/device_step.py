@@ -97,8 +97,6 @@ def _cannot_run(model: Any, mtp: Sequence[Any]) -> str | None:
     spec = getattr(model, "spec", None)
     if spec is None or not hasattr(model, "forward_static"):
         return "this model has no static forward"
-    if spec.mla is not None:
-        return "MLA attention (DeepSeek-V3, GLM-4.7-Flash) runs on the host step only"
     if len(mtp) > 1:
         return f"{len(mtp)} stacked MTP modules run on the host step only (one module does)"
     return None

@@ -255,3 +255,19 @@ def test_generate_step_path_device_writes_what_the_host_step_writes(tmp_path: Pa
     assert result.exit_code == 2, result.output
     flat = " ".join(result.output.replace("│", " ").split())  # the usage panel's lines joined
     assert "--step-path: device cannot run this model: 2 stacked MTP modules" in flat
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_moe_and_mla_with_mtp_give_the_host_steps_output(
+    family: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from tests.test_moe_mtp import write_with_mtp
+
+    path, _, _ = write_with_mtp(tmp_path_factory.mktemp(family), family, 1)
+    requests = _requests(5, SamplingParams(max_tokens=16), repeat=True)
+    host = _engine(path, "host")
+    want = _outputs(host, requests)
+    device = _engine(path, "device")
+    assert device.step_path == "device"
+    assert _outputs(device, requests) == want
+    assert device.stats().mtp_proposed > 0

@@ -14,6 +14,7 @@ import torch
 
 from metrale.engine.load.checkpoint import read_checkpoint
 from metrale.engine.runtime.kv_cache import SlotKVCache
+from metrale.engine.runtime.latent_cache import LatentCache
 from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.model import Segment
 from metrale.engine.runtime.mtp import detect_mtp, load_checkpoint_mtp
@@ -25,6 +26,9 @@ from metrale.engine.runtime.static_step import (
     static_plan,
 )
 from tests.checkpoints import build_runtime, random_ids, write_tiny_checkpoint
+from tests.moe_checkpoints import write_moe_checkpoint
+
+MOE = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
 HEADROOM = 8
 MAX_LEN = 48
@@ -34,11 +38,24 @@ def _prefill(model: LlamaModel, prompts: list[list[int]]) -> None:
     model.forward([Segment(slot, 0, ids) for slot, ids in enumerate(prompts)], logits="last")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def _written(cache: object, layer: int, slot: int, end: int) -> torch.Tensor:
+    """Positions ``0..end-1`` of one slot in one layer of either cache kind."""
+    if isinstance(cache, SlotKVCache):
+        return cache.keys[layer][slot, :, :end]
+    assert isinstance(cache, LatentCache)
+    return cache.entries[layer][slot, :end]
+
+
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2", "qwen3", "mistral", "deepseek_v3", "glm4_moe", "glm4_moe_lite"]
+)
 def test_static_rows_equal_the_ragged_forward_padded_rows_and_all(
     family: str, tmp_path: Path
 ) -> None:
-    path = write_tiny_checkpoint(tmp_path / family, family)
+    if family in MOE:
+        path = write_moe_checkpoint(tmp_path / family, family)
+    else:
+        path = write_tiny_checkpoint(tmp_path / family, family)
     ragged = build_runtime(path, num_slots=4, max_len=MAX_LEN)
     static = build_runtime(path, num_slots=4, max_len=MAX_LEN, headroom=HEADROOM)
     ids = random_ids(4, 20, seed=3).tolist()
@@ -64,15 +81,13 @@ def test_static_rows_equal_the_ragged_forward_padded_rows_and_all(
             torch.testing.assert_close(hidden[slot * width + r], out.hidden[row], atol=2e-5, rtol=0)
             row += 1
     # Every real position of every cache (slot 3's prompt included) is untouched
-    # by the padded rows.
-    assert isinstance(ragged.stack.cache, SlotKVCache)
-    assert isinstance(static.stack.cache, SlotKVCache)
-    for layer in range(len(ragged.stack.cache.keys)):
+    # by the padded rows (MLA: the latent and rope key).
+    for layer in range(ragged.spec.num_layers):
         for slot, prompt in enumerate(prompts):
             end = len(prompt) + len(feeds.get(slot, []))
             torch.testing.assert_close(
-                static.stack.cache.keys[layer][slot, :, :end],
-                ragged.stack.cache.keys[layer][slot, :, :end],
+                _written(static.stack.cache, layer, slot, end),
+                _written(ragged.stack.cache, layer, slot, end),
                 atol=2e-5,
                 rtol=0,
             )
