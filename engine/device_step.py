@@ -80,15 +80,17 @@ def device_step_for(model: Any, mtp: Sequence[Any], config: EngineConfig) -> Dev
         if path == "device":
             raise StepPathError(f"step_path: device cannot run this model: {problem}")
         return None
-    ladder = config.mtp_ladder
+    ladder, module = config.mtp_ladder, mtp[0] if mtp else None
+    # A MoE block whose experts cannot run grouped here reads its routing
+    # counts on the host, every layer: such a step is not capturable.
+    capturable = model.prepare_static() and (module is None or module.prepare_static())
     return DeviceStep(
         model,
-        mtp[0] if mtp else None,
+        module,
         num_slots=min(model.num_slots, config.max_batch),
         max_depth=min(max([ladder.beyond, *(d for _, d in ladder.steps)]), MAX_WIDTH - 1),
         min_prob=config.mtp_min_prob,
-        # MoE routing counts tokens per expert on the host: not capturable.
-        graphs=model.spec.moe is None,
+        graphs=capturable,
     )
 
 

@@ -26,6 +26,7 @@ from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.mtp import detect_mtp, load_checkpoint_mtp
 from metrale.engine.runtime.syncs import count_syncs
 from tests.checkpoints import EOS_ID, build_runtime, random_ids, write_tiny_checkpoint
+from tests.moe_checkpoints import write_moe_checkpoint
 
 MAX_LEN = 96
 
@@ -271,3 +272,25 @@ def test_moe_and_mla_with_mtp_give_the_host_steps_output(
     assert device.step_path == "device"
     assert _outputs(device, requests) == want
     assert device.stats().mtp_proposed > 0
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_a_moe_decode_step_reads_back_once_too(
+    family: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Stacked experts run in grouped products: no routing count is read on the host."""
+    from tests.test_moe_mtp import write_with_mtp
+
+    if family == "deepseek_v3":
+        path, _, _ = write_with_mtp(tmp_path_factory.mktemp(family), family, 1)
+    else:
+        path = write_moe_checkpoint(tmp_path_factory.mktemp(family), family)
+    engine = _engine(path, "device")
+    engine._waiting.extend(_requests(3, SamplingParams(max_tokens=12), repeat=True))
+    engine._step()
+    counts = []
+    while engine._decoding:
+        with count_syncs() as syncs:
+            engine._step()
+        counts.append((syncs.readbacks, syncs.uploads))
+    assert len(counts) >= 5 and set(counts) == {(1, 0)}, counts

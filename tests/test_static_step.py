@@ -28,7 +28,7 @@ from metrale.engine.runtime.static_step import (
 from tests.checkpoints import build_runtime, random_ids, write_tiny_checkpoint
 from tests.moe_checkpoints import write_moe_checkpoint
 
-MOE = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+MOE = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "qwen2_moe", "qwen3_moe")
 
 HEADROOM = 8
 MAX_LEN = 48
@@ -46,9 +46,7 @@ def _written(cache: object, layer: int, slot: int, end: int) -> torch.Tensor:
     return cache.entries[layer][slot, :end]
 
 
-@pytest.mark.parametrize(
-    "family", ["llama", "qwen2", "qwen3", "mistral", "deepseek_v3", "glm4_moe", "glm4_moe_lite"]
-)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", *MOE])
 def test_static_rows_equal_the_ragged_forward_padded_rows_and_all(
     family: str, tmp_path: Path
 ) -> None:
@@ -172,3 +170,23 @@ def test_graph_replay_equals_eager_on_cuda(tmp_path: Path) -> None:
         got = graphs.run((4, 4, 256), graphed.forward_static, tokens, starts, 256)
         torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=0)
     assert graphs.captured() == [(4, 4, 256)]
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_stacked_experts_give_the_per_expert_loops_forward(family: str, tmp_path: Path) -> None:
+    path = write_moe_checkpoint(tmp_path / family, family)
+    loop = build_runtime(path, num_slots=2, max_len=MAX_LEN)
+    grouped = build_runtime(path, num_slots=2, max_len=MAX_LEN, headroom=HEADROOM)
+    assert grouped.prepare_static(), "every MoE block stacked"
+    blocks = [w.moe for w in grouped.stack.blocks if w.moe is not None]
+    assert blocks and all(m.stacked is not None for m in blocks)
+    gate_up = blocks[0].stacked[0] if blocks[0].stacked else None
+    assert gate_up is not None and blocks[0].experts[1].gate_up.data_ptr() == gate_up[1].data_ptr()
+    ids = random_ids(2, 12, seed=4).tolist()
+    segments = [Segment(0, 0, ids[0][:12]), Segment(1, 0, ids[1][:5])]
+    want, got = loop.forward(segments), grouped.forward(segments)
+    torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=0)
+    assert (
+        grouped.forward([Segment(0, 12, [7])]).logits.argmax()
+        == loop.forward([Segment(0, 12, [7])]).logits.argmax()
+    )

@@ -45,7 +45,7 @@ from metrale.engine.runtime.kv_cache import RowPlan, SlotKVCache, plan_rows
 from metrale.engine.runtime.latent_cache import LatentCache
 from metrale.engine.runtime.mla import mla_attention
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
-from metrale.engine.runtime.moe import moe_mlp
+from metrale.engine.runtime.moe import grouped_experts_run, moe_mlp, stack_experts
 from metrale.engine.runtime.ops import Weight, linear, rms_norm
 from metrale.engine.runtime.packed import PackedSource
 from metrale.engine.runtime.rope import RopeTable, apply_rope
@@ -87,6 +87,15 @@ class DecoderStack:
         if isinstance(cache, SlotKVCache):
             self.fused = FusedLayers.build(spec, blocks, cache, self.kernel)
         self._torch: DecoderStack | None = None if self.kernel is not None else self
+
+    def prepare_static(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Readies the blocks for the device step (``static_step.py``): each MoE
+        block's experts stacked for grouped products (``moe.py``). True when no
+        block reads anything back on the host, so its forward can be captured."""
+        blocks = [w.moe for w in self.blocks if w.moe is not None]
+        if not blocks:
+            return True
+        return grouped_experts_run(device, dtype) and all(stack_experts(m) for m in blocks)
 
     def torch_ops(self) -> DecoderStack:
         """This stack over the same blocks and cache in torch ops only."""
@@ -322,6 +331,10 @@ class LlamaModel:
         hidden = self.stack.run(x, plan, self.rope)  # [num_tokens, hidden], pre-norm
         rows = hidden if logits == "all" else hidden.index_select(0, plan.last_rows)
         return ForwardOutput(logits=self.logits(rows), hidden=hidden)
+
+    def prepare_static(self) -> bool:
+        """``DecoderStack.prepare_static`` for the model's blocks."""
+        return self.stack.prepare_static(self._device, self.dtype)
 
     @torch.inference_mode()
     def forward_static(

@@ -19,6 +19,17 @@ held packed (a bfloat16 checkpoint on the CPU) runs in the packed kernel.
 Expert weights come from the public per-expert keys
 (``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``), gate and up
 stacked into one ``[2 * expert_size, hidden]`` weight per expert at load.
+
+The device step (``device_step.py``) cannot afford that loop: its length is
+the number of active experts, which only the host knows after reading the
+router's counts, one sync per layer, and a CUDA graph cannot hold it.
+``stack_experts`` therefore stacks a block's experts into ``[experts, ...]``
+tensors once (each expert's weights become views of them, so nothing is held
+twice), and ``moe_mlp`` then runs every expert in two grouped products
+(``torch._grouped_mm``, with the per-expert row offsets computed on the
+device): no host read, one shape per row count. It is the same sum, in the
+same float32 or bfloat16 arithmetic, up to the order of additions within a
+product.
 """
 
 from __future__ import annotations
@@ -52,6 +63,9 @@ class MoeWeights:
     experts: list[SwigluWeights]  # num_experts
     shared: SwigluWeights | None
     shared_gate: torch.Tensor | None  # [1, hidden] (Qwen2-MoE)
+    # [num_experts, 2 * intermediate, hidden] and [num_experts, hidden,
+    # intermediate] once ``stack_experts`` ran; each expert's weights are views.
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def route(x: torch.Tensor, w: MoeWeights, spec: MoeSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,9 +113,30 @@ def moe_mlp(x: torch.Tensor, w: MoeWeights, spec: MoeSpec) -> torch.Tensor:
     k = spec.experts_per_token
     flat = ids.flatten()  # [rows * k], pair i is (row i // k, expert flat[i])
     order = flat.argsort(stable=True)  # pairs grouped by expert
-    counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
     pair_weights = weights.flatten()[order]  # [rows * k]
     pair_rows = order // k
+    if w.stacked is not None:
+        out = _grouped(x, w.stacked, flat, pair_rows, pair_weights, spec.num_experts)
+    else:
+        out = _by_expert(x, w, flat, pair_rows, pair_weights, spec.num_experts)
+    if w.shared is not None:
+        shared = swiglu(x, w.shared)  # [rows, hidden]
+        if w.shared_gate is not None:
+            shared = torch.sigmoid(F.linear(x, w.shared_gate)) * shared
+        out = out + shared
+    return out
+
+
+def _by_expert(
+    x: torch.Tensor,  # [rows, hidden]
+    w: MoeWeights,
+    flat: torch.Tensor,  # [pairs] expert of each (row, expert) pair
+    pair_rows: torch.Tensor,  # [pairs] row of each pair, sorted by expert
+    pair_weights: torch.Tensor,  # [pairs]
+    num_experts: int,
+) -> torch.Tensor:
+    """The routed experts' sum, one product per active expert (module doc)."""
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     out = torch.zeros_like(x)
     at = 0
     for expert, count in enumerate(counts):
@@ -112,12 +147,62 @@ def moe_mlp(x: torch.Tensor, w: MoeWeights, spec: MoeSpec) -> torch.Tensor:
         y = y * pair_weights[at : at + count, None].to(y.dtype)
         out.index_add_(0, rows, y)
         at += count
-    if w.shared is not None:
-        shared = swiglu(x, w.shared)  # [rows, hidden]
-        if w.shared_gate is not None:
-            shared = torch.sigmoid(F.linear(x, w.shared_gate)) * shared
-        out = out + shared
     return out
+
+
+def _grouped(
+    x: torch.Tensor,  # [rows, hidden]
+    stacked: tuple[torch.Tensor, torch.Tensor],
+    flat: torch.Tensor,  # [pairs]
+    pair_rows: torch.Tensor,  # [pairs], sorted by expert
+    pair_weights: torch.Tensor,  # [pairs]
+    num_experts: int,
+) -> torch.Tensor:
+    """The routed experts' sum in two grouped products, no host read (module doc)."""
+    gate_up, down = stacked  # [E, 2I, H], [E, H, I]
+    # Rows per expert by a scatter, not bincount: bincount sizes its output on the host.
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's rows
+    gathered = x.index_select(0, pair_rows)  # [pairs, hidden]
+    both = torch._grouped_mm(gathered, gate_up.transpose(1, 2), offs=offsets)  # [pairs, 2I]
+    gate, up = both.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [pairs, H]
+    y = y * pair_weights[:, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, pair_rows, y)
+
+
+def grouped_experts_run(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` serves the stacked path here: on the CPU
+    in any dtype, on CUDA in bfloat16 on a Hopper (sm 9.0) or later, where
+    torch has the kernel."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def stack_experts(w: MoeWeights) -> bool:
+    """Stacks ``w``'s experts for the grouped path (module doc), once; False
+    (and nothing changed) when an expert is held packed, or its products'
+    sizes are not the multiples of 16 bytes ``_grouped_mm`` needs."""
+    if w.stacked is not None:
+        return True
+    gates = [e.gate_up for e in w.experts if isinstance(e.gate_up, torch.Tensor)]
+    downs = [e.down for e in w.experts if isinstance(e.down, torch.Tensor)]
+    if len(gates) < len(w.experts) or len(downs) < len(w.experts):
+        return False
+    sizes = (*gates[0].shape, *downs[0].shape)
+    if any(n * gates[0].element_size() % 16 for n in sizes):
+        return False
+    gate_up, down = torch.stack(gates), torch.stack(downs)
+    for expert, e in enumerate(w.experts):
+        e.gate_up, e.down = gate_up[expert], down[expert]
+    w.stacked = (gate_up, down)
+    return True
 
 
 def load_moe(

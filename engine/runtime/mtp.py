@@ -171,6 +171,10 @@ class MtpLayer:
         rows = y if logits == "all" else y.index_select(0, plan.last_rows)
         return ForwardOutput(logits=self._logits(rows), hidden=y)
 
+    def prepare_static(self) -> bool:
+        """``DecoderStack.prepare_static`` for the module's block."""
+        return self.stack.prepare_static(self.model.device, self.model.dtype)
+
     @torch.inference_mode()
     def forward_static(
         self,
