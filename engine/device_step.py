@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from metrale.engine.config import EngineConfig, StepPathError
@@ -99,6 +100,11 @@ def _cannot_run(model: Any, mtp: Sequence[Any]) -> str | None:
     spec = getattr(model, "spec", None)
     if spec is None or not hasattr(model, "forward_static"):
         return "this model has no static forward"
+    if model.headroom < MAX_WIDTH:
+        return (
+            f"it needs {MAX_WIDTH} positions of cache headroom per slot; "
+            f"the model was loaded with {model.headroom}"
+        )
     if len(mtp) > 1:
         return f"{len(mtp)} stacked MTP modules run on the host step only (one module does)"
     return None
@@ -130,7 +136,12 @@ class StaticModule(Protocol):
     """What the device step needs of an MTP module (``MtpLayer``)."""
 
     def forward_static(
-        self, tokens: torch.Tensor, hidden: torch.Tensor, starts: torch.Tensor, ctx: int
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        starts: torch.Tensor,
+        ctx: int,
+        rows: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(
@@ -200,11 +211,7 @@ class DeviceStep:
         min_prob: float,
         graphs: bool,
     ) -> None:
-        if model.headroom < MAX_WIDTH:
-            raise ValueError(
-                f"the device step needs {MAX_WIDTH} positions of cache headroom per slot; "
-                f"the model was loaded with {model.headroom}"
-            )
+        assert model.headroom >= MAX_WIDTH, "device_step_for checks the headroom"
         self.model, self.module = model, module
         self.device = model.device
         self.num_slots = num_slots
@@ -255,7 +262,9 @@ class DeviceStep:
             by_slot[r.slot] = r.generator
         params = (temperature, top_k, top_p)
         if sampled:
-            uniforms = request_uniforms(by_slot, width + depth, self.device)  # [B, W + depth]
+            # A fixed layout per request and step, whatever the batch's width
+            # and depth: accept tests, the emitted token's draw, the chain's draws.
+            uniforms = request_uniforms(by_slot, MAX_WIDTH + self.max_depth, self.device)
             # Each slot's parameters on its W rows (expand: no host read for the size).
             per_row = (p[:, None].expand(batch, width).reshape(-1) for p in params)
             target = target_probs_rows(logits, *per_row)
@@ -266,7 +275,7 @@ class DeviceStep:
                 one_hot,
                 target.view(batch, width, -1),
                 uniforms[:, : width - 1],
-                uniforms[:, width - 1],
+                uniforms[:, MAX_WIDTH - 1],
             )
         else:
             argmax = logits.argmax(dim=-1).view(batch, width)
@@ -274,7 +283,7 @@ class DeviceStep:
         out = [accepted.accepted, accepted.emitted.reshape(-1)]
         if depth > 0:
             assert self.module is not None
-            draft_u = uniforms[:, width:] if sampled else None
+            draft_u = uniforms[:, MAX_WIDTH : MAX_WIDTH + depth] if sampled else None
             drafts, counts = self._chain(
                 accepted.accepted,
                 accepted.emitted,
@@ -298,19 +307,22 @@ class DeviceStep:
         row starts in the headroom, at width 0."""
         size = batch * (width + 7)
         host = self._up[:size]
-        host.zero_()
-        grid = host[: batch * width].view(batch, width)
-        fields = host[batch * width :].view(7, batch)
-        floats = fields[5:].view(torch.float64)  # temperature, top_p
-        fields[0].fill_(self._cache_len - MAX_WIDTH)  # the headroom (module doc)
-        floats[1].fill_(1.0)
+        # Written through numpy: a tensor __setitem__ a field costs microseconds.
+        values = host.numpy()
+        values[:] = 0
+        grid = values[: batch * width].reshape(batch, width)
+        fields = values[batch * width :].reshape(7, batch)
+        floats = fields[5:].view(np.float64)  # temperature, top_p
+        fields[0] = self._cache_len - MAX_WIDTH  # the headroom (module doc)
+        floats[1] = 1.0
         for r in rows:
-            grid[r.slot, : len(r.tokens)] = torch.as_tensor(r.tokens)
-            fields[0, r.slot], fields[1, r.slot] = r.start, len(r.tokens)
-            fields[2, r.slot] = not r.drafts_q
-            fields[3, r.slot], fields[4, r.slot] = r.chain, r.top_k
-            floats[0, r.slot], floats[1, r.slot] = r.temperature, r.top_p
-        sent = host.to(self.device, non_blocking=True)
+            grid[r.slot, : len(r.tokens)] = r.tokens
+            fields[:5, r.slot] = (r.start, len(r.tokens), not r.drafts_q, r.chain, r.top_k)
+            floats[:, r.slot] = (r.temperature, r.top_p)
+        # Safe to rewrite next step: every step ends in an event sync on this
+        # stream, after this copy. On the CPU a copy too, so that nothing the
+        # step computes shares the host buffer (the sync counter exempts it).
+        sent = host.to(self.device, non_blocking=True, copy=True)
         tokens = sent[: batch * width].view(batch, width)
         words = sent[batch * width :].view(7, batch)
         real = words[5:].view(torch.float64)  # float64: top_p near 1 must stay below it
@@ -354,12 +366,18 @@ class DeviceStep:
         assert module is not None
         batch, width = emitted.shape
         graphs, slots = self.static.graphs, torch.arange(batch, device=self.device)
+        # The last final row of each slot, row `accepted` of its W, drafts next.
         logits, out = graphs.run(
-            ("feed", batch, width, ctx), module.forward_static, emitted, hidden, starts, ctx
-        )
-        # The last final row of each slot: row `accepted` of its W.
-        logits = logits.view(batch, width, -1)[slots, accepted]  # [B, vocab]
+            ("module", batch, width, ctx),
+            module.forward_static,
+            emitted,
+            hidden,
+            starts,
+            ctx,
+            accepted,
+        )  # [B, vocab], [B * W, hidden]
         row_hidden = out.view(batch, width, -1)[slots, accepted]  # [B, hidden]
+        first_row = torch.zeros_like(accepted)
         position = starts + accepted + 1  # where the chain's next row goes
         last = self._cache_len - 1
         drafts, sure = [], []
@@ -370,12 +388,13 @@ class DeviceStep:
             if k + 1 == depth:
                 break
             logits, row_hidden = graphs.run(
-                ("chain", batch, 1, ctx),
+                ("module", batch, 1, ctx),
                 module.forward_static,
                 draft[:, None],
                 row_hidden,
                 torch.clamp(position + k, max=last),
                 ctx,
+                first_row,
             )
         kept = torch.stack(sure, dim=1).long().cumprod(dim=1).sum(dim=1)  # [B]
         return torch.stack(drafts, dim=1), torch.minimum(kept, chain)

@@ -107,10 +107,13 @@ def test_static_mtp_rows_equal_the_ragged_module_forward(tmp_path: Path) -> None
     )
     tokens = torch.tensor([[*ids[0][:3], 0], ids[1][:4]])
     starts = torch.tensor([3, 6])
-    logits, out = module.forward_static(tokens, hidden, starts, ctx_bucket(10, MAX_LEN + HEADROOM))
+    ctx = ctx_bucket(10, MAX_LEN + HEADROOM)
     real = [0, 1, 2, 4, 5, 6, 7]
-    torch.testing.assert_close(logits[real], ragged.logits, atol=2e-5, rtol=0)
-    torch.testing.assert_close(out[real], ragged.hidden, atol=2e-5, rtol=0)
+    for rows in ([2, 3], [0, 1]):  # each slot's last real row, then others
+        logits, out = module.forward_static(tokens, hidden, starts, ctx, torch.tensor(rows))
+        want = [rows[0], 3 + rows[1]]  # those rows among the ragged run's real ones
+        torch.testing.assert_close(logits, ragged.logits[want], atol=2e-5, rtol=0)
+        torch.testing.assert_close(out[real], ragged.hidden, atol=2e-5, rtol=0)
 
 
 def test_a_row_with_nothing_to_read_reads_position_zero() -> None:
@@ -180,8 +183,9 @@ def test_stacked_experts_give_the_per_expert_loops_forward(family: str, tmp_path
     assert grouped.prepare_static(), "every MoE block stacked"
     blocks = [w.moe for w in grouped.stack.blocks if w.moe is not None]
     assert blocks and all(m.stacked is not None for m in blocks)
-    gate_up = blocks[0].stacked[0] if blocks[0].stacked else None
-    assert gate_up is not None and blocks[0].experts[1].gate_up.data_ptr() == gate_up[1].data_ptr()
+    assert blocks[0].stacked is not None
+    gate_up, viewed = blocks[0].stacked[0], blocks[0].experts[1].gate_up
+    assert isinstance(viewed, torch.Tensor) and viewed.data_ptr() == gate_up[1].data_ptr()
     ids = random_ids(2, 12, seed=4).tolist()
     segments = [Segment(0, 0, ids[0][:12]), Segment(1, 0, ids[1][:5])]
     want, got = loop.forward(segments), grouped.forward(segments)

@@ -182,13 +182,18 @@ class MtpLayer:
         hidden: torch.Tensor,  # [B * W, hidden_size], slot-major
         starts: torch.Tensor,  # [B] int64 on the device
         ctx: int,
+        rows: torch.Tensor,  # [B] int64: the one row of each slot to take logits of
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` at the device step's static shape (``static_step.py``):
-        ``(logits [B * W, vocab] float32, hidden [B * W, hidden])``, no host read."""
+        ``(logits [B, vocab] float32 of each slot's row in rows, hidden [B * W,
+        hidden])``, no host read. Only the row a draft comes from pays for the
+        LM head."""
         model = self.model
-        plan = static_plan(starts, tokens.shape[1], ctx, model.spec.sliding_window)
+        batch, width = tokens.shape
+        plan = static_plan(starts, width, ctx, model.spec.sliding_window)
         y = self.stack.torch_ops().run(self._input(tokens.reshape(-1), hidden), plan, model.rope)
-        return self._logits(y), y
+        picked = y.view(batch, width, -1)[torch.arange(batch, device=y.device), rows]
+        return self._logits(picked), y
 
     def _input(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The block's input rows: ``proj`` of the normed embedding and hidden."""

@@ -20,8 +20,10 @@ Attention reads ``cache[0:B, :, :ctx]`` as a view (slots are the batch, so
 nothing is gathered) under one mask built from ``starts`` per forward and
 shared by every layer (``RowPlan.mask``); a row that may read nothing (none
 does, but a caller's padding might) is given position 0 so its softmax stays
-finite. Only torch ops run (``DecoderStack.torch_ops``), on the CPU as on a
-GPU, so tests on the CPU check the code a GPU runs.
+finite. The layers run in torch ops (``DecoderStack.torch_ops``), never the
+C attention and layer kernels, on the CPU as on a GPU, so tests on the CPU
+check the code a GPU runs (a packed weight, CPU only, still multiplies in
+its own kernel).
 
 CUDA graphs (``GraphCache``): on CUDA each (function, shape) is captured on
 first use, in one memory pool shared by every graph, and replayed after;
@@ -158,7 +160,9 @@ class GraphCache:
             fn(*buffers)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread's CUDA work (a reader of the stats) is
+        # not an error during the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = fn(*buffers)
         return _Captured(graph, buffers, outputs)
 
