@@ -10,6 +10,7 @@ device-to-host read and no blocking upload per decode step.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +26,29 @@ from metrale.engine.load.checkpoint import read_checkpoint
 from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.mtp import detect_mtp, load_checkpoint_mtp
 from metrale.engine.runtime.syncs import count_syncs
-from tests.checkpoints import EOS_ID, build_runtime, random_ids, write_tiny_checkpoint
+from tests.checkpoints import (
+    EOS_ID,
+    build_runtime,
+    load_reference_model,
+    random_ids,
+    write_tiny_checkpoint,
+)
 from tests.moe_checkpoints import write_moe_checkpoint
 
 MAX_LEN = 96
 
 
-def _engine(path: Path, step_path: str, **config: Any) -> Engine:
+def _engine(
+    path: Path, step_path: str, slots: int = 4, eos: tuple[int, ...] = (EOS_ID,), **config: Any
+) -> Engine:
     ckpt = read_checkpoint(path)
-    model = build_runtime(path, num_slots=4, max_len=MAX_LEN, headroom=MAX_WIDTH)
+    model = build_runtime(path, num_slots=slots, max_len=MAX_LEN, headroom=MAX_WIDTH)
     found = detect_mtp(ckpt.raw_config, ckpt.weights.names(), ckpt.spec.num_layers)
     mtp = load_checkpoint_mtp(model, ckpt.weights, found) if found else []
     # A random module is rarely sure of a draft: chain whatever it gives.
     config.setdefault("mtp_min_prob", 0.0)
-    settings = EngineConfig(step_path=step_path, draft_policy="fixed", max_batch=4, **config)
-    return Engine(model, None, settings, mtp=mtp, eos_token_ids=[EOS_ID])
+    settings = EngineConfig(step_path=step_path, draft_policy="fixed", max_batch=slots, **config)
+    return Engine(model, None, settings, mtp=mtp, eos_token_ids=eos)
 
 
 def _requests(count: int, params: SamplingParams, repeat: bool = False) -> list[Request]:
@@ -294,3 +303,40 @@ def test_a_moe_decode_step_reads_back_once_too(
             engine._step()
         counts.append((syncs.readbacks, syncs.uploads))
     assert len(counts) >= 5 and set(counts) == {(1, 0)}, counts
+
+
+def test_the_device_steps_sampled_tokens_follow_the_model(checkpoints: dict[str, Path]) -> None:
+    """The second token of many seeded runs, which the device step samples by
+    speculative sampling against the MTP module's sampled draft (its
+    distribution kept on the device, column by column), is distributed as the
+    model's own two-token marginal: a chi-square test at 0.999."""
+    path, trials, prompt = checkpoints["mimo"], 3000, (40, 41, 42, 40, 41)
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=seed) for seed in range(trials)]
+    requests = [
+        Request(request_id=str(i), prompt_ids=prompt, params=p) for i, p in enumerate(params)
+    ]
+    engine = _engine(path, "device", slots=16, eos=(), prompt_lookup=None)
+    seconds = [r.output_ids[1] for r in engine.generate(requests)]
+    stats = engine.stats()
+    assert 0 < stats.mtp_accepted < stats.mtp_proposed, "sampled drafts were tested and some kept"
+    # The exact marginal: sum over the first token of p(t1) p(t2 | t1).
+    reference = load_reference_model(path)
+    with torch.no_grad():
+        first = reference(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [vocab]
+        vocab = first.shape[0]
+        grown = torch.cat([torch.tensor([prompt] * vocab), torch.arange(vocab)[:, None]], dim=1)
+        then = reference(grown).logits[:, -1].softmax(-1)  # [vocab, vocab]: p(t2 | t1)
+    exact = (first[:, None] * then).sum(0).double()  # [vocab]
+    counts = torch.bincount(torch.tensor(seconds), minlength=vocab).double()
+    expected = exact * trials
+    big = expected >= 5
+    stat = float((((counts - expected) ** 2 / expected)[big]).sum())
+    rest_obs, rest_exp = float(counts[~big].sum()), float(expected[~big].sum())
+    stat += (rest_obs - rest_exp) ** 2 / rest_exp if rest_exp > 0 else 0.0
+    df = int(big.sum()) + (1 if rest_exp > 0 else 0) - 1
+    bound = df * (1 - 2 / (9 * df) + 3.090 * math.sqrt(2 / (9 * df))) ** 3
+    assert stat < bound, (stat, bound)
+    # The test has power: the first token's own distribution, drawn as often, fails it.
+    wrong = torch.multinomial(first, trials, True, generator=torch.Generator().manual_seed(0))
+    wrong_counts = torch.bincount(wrong, minlength=vocab).double()
+    assert float((((wrong_counts - expected) ** 2 / expected)[big]).sum()) > bound
