@@ -58,6 +58,7 @@ from metrale.engine.runtime.static_step import (
 )
 from metrale.engine.runtime.syncs import host_buffer, readback
 from metrale.engine.spec.device_accept import (
+    DeviceAccepted,
     accept_greedy_rows,
     accept_sampled_rows,
     draw_rows,
@@ -257,17 +258,19 @@ class DeviceStep:
         tokens, starts, widths, one_hot, chain, top_k, temperature, top_p = inputs
         logits, hidden = self.static.forward(tokens, starts, ctx)
         # logits: [B * W, vocab]; hidden: [B * W, hidden]
-        by_slot: list[torch.Generator | None] = [None] * batch
-        for r in rows:
-            by_slot[r.slot] = r.generator
-        params = (temperature, top_k, top_p)
+        sampling = None
         if sampled:
+            by_slot: list[torch.Generator | None] = [None] * batch
+            for r in rows:
+                by_slot[r.slot] = r.generator
             # A fixed layout per request and step, whatever the batch's width
             # and depth: accept tests, the emitted token's draw, the chain's draws.
             uniforms = request_uniforms(by_slot, MAX_WIDTH + self.max_depth, self.device)
+            cuts = any(r.top_k > 0 or r.top_p < 1.0 for r in rows)
+            sampling = _Sampling((temperature, top_k, top_p), cuts, uniforms[:, MAX_WIDTH:])
             # Each slot's parameters on its W rows (expand: no host read for the size).
-            per_row = (p[:, None].expand(batch, width).reshape(-1) for p in params)
-            target = target_probs_rows(logits, *per_row)
+            temps, ks, ps = (p[:, None].expand(batch, width).reshape(-1) for p in sampling.params)
+            target = target_probs_rows(logits, temps, ks, ps, cuts=cuts)
             accepted = accept_sampled_rows(
                 tokens,
                 widths,
@@ -282,19 +285,7 @@ class DeviceStep:
             accepted = accept_greedy_rows(tokens, widths, argmax)
         out = [accepted.accepted, accepted.emitted.reshape(-1)]
         if depth > 0:
-            assert self.module is not None
-            draft_u = uniforms[:, MAX_WIDTH : MAX_WIDTH + depth] if sampled else None
-            drafts, counts = self._chain(
-                accepted.accepted,
-                accepted.emitted,
-                hidden,
-                starts,
-                chain,
-                ctx,
-                depth,
-                params,
-                draft_u,
-            )
+            drafts, counts = self._chain(accepted, hidden, starts, chain, ctx, depth, sampling)
             out += [drafts.reshape(-1), counts]
         packed = torch.cat(out)
         values = readback(packed, self._down[: packed.shape[0]]).tolist()
@@ -350,20 +341,19 @@ class DeviceStep:
 
     def _chain(
         self,
-        accepted: torch.Tensor,  # [B]
-        emitted: torch.Tensor,  # [B, W]: the token after each verified row
+        verified: DeviceAccepted,  # accepted [B]; emitted [B, W]: the token after each row
         hidden: torch.Tensor,  # [B * W, hidden]
         starts: torch.Tensor,  # [B]
         chain: torch.Tensor,  # [B] drafts asked for
         ctx: int,
         depth: int,
-        params: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        draft_u: torch.Tensor | None,  # [B, depth]; None: greedy batch
+        sampling: _Sampling | None,  # None: a greedy batch
     ) -> tuple[torch.Tensor, torch.Tensor]:  # drafts [B, depth], counts [B]
         """Feeds every verified row to the module and chains ``depth`` drafts
         from each slot's last final row (module doc)."""
         module = self.module
         assert module is not None
+        accepted, emitted = verified.accepted, verified.emitted
         batch, width = emitted.shape
         graphs, slots = self.static.graphs, torch.arange(batch, device=self.device)
         # The last final row of each slot, row `accepted` of its W, drafts next.
@@ -382,7 +372,7 @@ class DeviceStep:
         last = self._cache_len - 1
         drafts, sure = [], []
         for k in range(depth):
-            draft, keep = self._draft(logits, k, params, draft_u)
+            draft, keep = self._draft(logits, k, sampling)
             drafts.append(draft)
             sure.append(keep)
             if k + 1 == depth:
@@ -403,23 +393,34 @@ class DeviceStep:
         self,
         logits: torch.Tensor,  # [B, vocab] the module's logits at one chain position
         k: int,
-        params: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        draft_u: torch.Tensor | None,
+        sampling: _Sampling | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # draft [B], sure [B] bool
         """One chain position's draft and whether the chain may keep it: a
         greedy draft while the module's top probability reaches ``min_prob``;
         a sampled one by its first position's alone."""
-        if draft_u is None:
+        if sampling is None:
             top = logits.softmax(dim=-1).amax(dim=-1)
             return logits.argmax(dim=-1), top >= self.min_prob
-        q = target_probs_rows(logits, *params)  # [B, vocab]; greedy slots one-hot
+        # [B, vocab]; greedy slots one-hot
+        temperature, top_k, top_p = sampling.params
+        q = target_probs_rows(logits, temperature, top_k, top_p, cuts=sampling.cuts)
         if self._q is None:
             self._q = q.new_zeros(self.num_slots, self.max_depth, q.shape[1])
         self._q[: q.shape[0], k] = q
-        greedy = params[0] == 0
+        greedy = sampling.params[0] == 0
         top = q.amax(dim=-1) if k == 0 else torch.ones_like(q[:, 0])
         sure = torch.where(greedy, logits.softmax(dim=-1).amax(dim=-1), top) >= self.min_prob
-        return draw_rows(q, draft_u[:, k]), sure
+        return draw_rows(q, sampling.draft_u[:, k]), sure
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """A sampled batch's per-slot ``(temperature, top_k, top_p)``, whether
+    any row cuts by top-k or top-p, and the chain's uniforms ``[B, depth]``."""
+
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    cuts: bool
+    draft_u: torch.Tensor
 
 
 def _unpack(

@@ -395,3 +395,15 @@ def test_device_rules_on_cuda_never_sync_and_equal_the_cpu() -> None:
     assert torch.equal(greedy.accepted.cpu(), accept_greedy_rows(tokens, widths, tokens).accepted)
     torch.testing.assert_close(probs.sum(dim=1).cpu(), torch.ones(64))
     assert uniforms.shape == (2, 3) and not uniforms[1].any()
+
+
+def test_without_cuts_the_sort_is_skipped_and_nothing_changes() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=gen) * 3
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.0, 2.0], dtype=torch.float64)
+    top_k = torch.zeros(6, dtype=torch.int64)
+    top_p = torch.ones(6, dtype=torch.float64)
+    sorted_once = target_probs_rows(logits, temperature, top_k, top_p)
+    torch.testing.assert_close(
+        target_probs_rows(logits, temperature, top_k, top_p, cuts=False), sorted_once
+    )

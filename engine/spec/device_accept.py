@@ -120,6 +120,7 @@ def target_probs_rows(
     temperature: torch.Tensor,  # [N] float32/64: 0 means greedy
     top_k: torch.Tensor,  # [N] int64: 0 means no top-k cut
     top_p: torch.Tensor,  # [N] float32/64 in (0, 1]: 1.0 means no nucleus cut
+    cuts: bool = True,
 ) -> torch.Tensor:  # [N, V] float32 on logits' device, rows sum to 1
     """``sampling.target_probs`` with each row's own parameters, in one pass.
 
@@ -137,12 +138,19 @@ def target_probs_rows(
     One stable sort of the scaled logits serves both cuts: its ``k``-th value
     is the top-k threshold (ties at it stay, as ``torch.topk`` counts them),
     and, since softmax keeps the order, it also orders the probabilities for
-    the nucleus.
+    the nucleus. ``cuts=False`` is the caller's word (it knows the requests'
+    parameters on the host) that no row has a top-k or top-p cut: the sort
+    of every row, most of a sampled step's cost at a large vocabulary, is
+    skipped.
     """
     vocab = logits.shape[1]
     greedy = temperature == 0  # [N]
     safe_temperature = torch.where(greedy, 1.0, temperature).to(torch.float32)  # [N]
     scaled = logits.to(torch.float32) / safe_temperature[:, None]  # [N, V]
+    argmax = torch.argmax(logits, dim=1, keepdim=True)  # [N, 1]
+    if not cuts:
+        probs = torch.softmax(scaled, dim=1)
+        return torch.where(greedy[:, None], torch.zeros_like(probs).scatter_(1, argmax, 1.0), probs)
     sorted_scaled, order = torch.sort(scaled, dim=1, descending=True, stable=True)  # [N, V]
 
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [N]: vocab cuts nothing
@@ -160,7 +168,6 @@ def target_probs_rows(
     renormalised = kept / kept.sum(dim=1, keepdim=True)  # [N, V]
     probs = torch.where(nucleus[:, None], renormalised, probs)
 
-    argmax = torch.argmax(logits, dim=1, keepdim=True)  # [N, 1]
     one_hot = torch.zeros_like(probs).scatter_(1, argmax, 1.0)  # [N, V]
     return torch.where(greedy[:, None], one_hot, probs)
 
