@@ -300,14 +300,7 @@ class Engine:
     def _generator(self, seed: int | None) -> torch.Generator:
         """A sampled request's generator: on the model's device under the
         device step, which draws there (``spec/device_accept.py``)."""
-        if self._device is None:
-            return make_generator(seed)
-        gen = torch.Generator(device=self.model.device)
-        if seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(seed)
-        return gen
+        return make_generator(seed, self.model.device if self._device is not None else "cpu")
 
     def graph_shapes(self) -> list[tuple[Any, ...]]:
         """The shapes the device step captured as CUDA graphs (none elsewhere)."""

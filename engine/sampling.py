@@ -20,10 +20,11 @@ import torch
 from metrale.engine.api import SamplingParams
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator for one request; an unseeded request gets a fresh
-    non-deterministic seed."""
-    gen = torch.Generator(device="cpu")
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one request, on the CPU (or on ``device``, where the
+    device step draws); an unseeded request gets a fresh non-deterministic
+    seed."""
+    gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
     else:

@@ -303,9 +303,13 @@ def load_reference_model(path: Path) -> Any:
 
 
 def build_runtime(
-    path: Path, num_slots: int = 4, max_len: int = 96, headroom: int = 0
+    path: Path,
+    num_slots: int = 4,
+    max_len: int = 96,
+    headroom: int = 0,
+    device: str = "cpu",
 ) -> LlamaModel:
-    """metrale's runtime of a checkpoint folder, float32 on the CPU."""
+    """metrale's runtime of a checkpoint folder, float32 (on the CPU unless asked)."""
     ckpt = read_checkpoint(path)
     return LlamaModel(
         ckpt.spec,
@@ -314,7 +318,7 @@ def build_runtime(
         num_slots=num_slots,
         max_len=max_len,
         dtype=torch.float32,
-        device=torch.device("cpu"),
+        device=torch.device(device),
         headroom=headroom,
     )
 

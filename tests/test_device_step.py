@@ -23,7 +23,6 @@ from metrale.engine.config import EngineConfig
 from metrale.engine.device_step import MAX_WIDTH
 from metrale.engine.engine import Engine
 from metrale.engine.load.checkpoint import read_checkpoint
-from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.mtp import detect_mtp, load_checkpoint_mtp
 from metrale.engine.runtime.syncs import count_syncs
 from tests.checkpoints import (
@@ -129,7 +128,7 @@ def test_the_device_chain_drafts_what_the_host_drafter_drafts(
     min_prob: float, checkpoints: dict[str, Path]
 ) -> None:
     requests = _requests(3, SamplingParams(max_tokens=24))
-    config = {"prompt_lookup": None, "mtp_min_prob": min_prob}
+    config: dict[str, Any] = {"prompt_lookup": None, "mtp_min_prob": min_prob}
     host = _drafts_by_position(_engine(checkpoints["mimo"], "host", **config), requests)
     device = _drafts_by_position(_engine(checkpoints["mimo"], "device", **config), requests)
     shared = set(host) & set(device)
@@ -218,16 +217,7 @@ def test_the_cuda_step_with_graphs_equals_the_cpu_host_step(checkpoints: dict[st
     path = checkpoints["mimo"]
     ckpt = read_checkpoint(path)
     found = detect_mtp(ckpt.raw_config, ckpt.weights.names(), ckpt.spec.num_layers)
-    model = LlamaModel(
-        ckpt.spec,
-        ckpt.hf_config,
-        ckpt.weights,
-        num_slots=4,
-        max_len=MAX_LEN,
-        dtype=torch.float32,
-        device=torch.device("cuda"),
-        headroom=MAX_WIDTH,
-    )
+    model = build_runtime(path, num_slots=4, max_len=MAX_LEN, headroom=MAX_WIDTH, device="cuda")
     mtp = load_checkpoint_mtp(model, ckpt.weights, found) if found else []
     config = EngineConfig(max_batch=4, draft_policy="fixed", mtp_min_prob=0.0)
     engine = Engine(model, None, config, mtp=mtp, eos_token_ids=[EOS_ID])

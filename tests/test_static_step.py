@@ -149,21 +149,8 @@ def test_graphs_are_off_on_the_cpu() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_equals_eager_on_cuda(tmp_path: Path) -> None:
     path = write_tiny_checkpoint(tmp_path / "llama", "llama")
-    ckpt = read_checkpoint(path)
-
-    def build() -> LlamaModel:
-        return LlamaModel(
-            ckpt.spec,
-            ckpt.hf_config,
-            ckpt.weights,
-            num_slots=4,
-            max_len=MAX_LEN,
-            dtype=torch.float32,
-            device=torch.device("cuda"),
-            headroom=HEADROOM,
-        )
-
-    eager, graphed = build(), build()
+    eager = build_runtime(path, num_slots=4, max_len=MAX_LEN, headroom=HEADROOM, device="cuda")
+    graphed = build_runtime(path, num_slots=4, max_len=MAX_LEN, headroom=HEADROOM, device="cuda")
     graphs = GraphCache(torch.device("cuda"), enabled=True, max_graphs=2)
     ids = random_ids(4, 16, seed=9).cuda()
     for step in range(3):  # the same shape captured once, replayed after
