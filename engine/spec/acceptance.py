@@ -15,7 +15,7 @@ were.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -59,26 +59,15 @@ def accept_sampled(
     A copy is a draft whose ``q`` is one-hot on ``d``: it is accepted with
     probability ``p(d)``, and a rejection draws from ``p`` with ``d`` removed.
     """
-    num_drafts = len(draft_ids)
-    assert target.shape[0] == num_drafts + 1, "one target row per fed token"
-    for i, draft in enumerate(draft_ids):
-        p = target[i]  # [vocab]
-        q_draft = 1.0 if draft_probs is None else float(draft_probs[i, draft])
-        p_draft = float(p[draft])
-        # q_draft > 0 always holds for a draft that was drawn from q; a copy
-        # has q_draft == 1.
-        if q_draft > 0.0 and uniform(generator) * q_draft < p_draft:
-            continue
-        if draft_probs is None:
-            residual = p.clone()
-            residual[draft] = 0.0
-        else:
-            residual = torch.clamp(p - draft_probs[i], min=0.0)
-        mass = float(residual.sum())
-        # Rejecting needs p(d) < q(d), which leaves mass in the residual; a
-        # float underflow there falls back to p itself.
-        return i, draw(residual / mass if mass > 0.0 else p, generator)
-    return num_drafts, draw(target[num_drafts], generator)
+    rejected, residual = _first_rejection(
+        draft_ids, draft_probs, target, lambda _: uniform(generator)
+    )
+    if residual is None:
+        return rejected, draw(target[rejected], generator)
+    mass = float(residual.sum())
+    # Rejecting needs p(d) < q(d), which leaves mass in the residual; a
+    # float underflow there falls back to p itself.
+    return rejected, draw(residual / mass if mass > 0.0 else target[rejected], generator)
 
 
 def accept_sampled_with(
@@ -95,21 +84,38 @@ def accept_sampled_with(
     unnormalised residual, which is the same distribution as drawing from the
     normalised one.
     """
+    assert len(accept_u) >= len(draft_ids), "one uniform a draft"
+    rejected, residual = _first_rejection(draft_ids, draft_probs, target, accept_u.__getitem__)
+    if residual is None or float(residual.sum()) <= 0.0:
+        return rejected, draw_inverse_cdf(target[rejected], draw_u)
+    return rejected, draw_inverse_cdf(residual, draw_u)
+
+
+def _first_rejection(
+    draft_ids: Sequence[int],
+    draft_probs: torch.Tensor | None,  # [num_drafts, vocab]; None: every draft one-hot
+    target: torch.Tensor,  # [num_drafts + 1, vocab]
+    uniform_at: Callable[[int], float],  # draft i's U[0, 1) draw, asked for in order
+) -> tuple[int, torch.Tensor | None]:
+    """The rule both callers share: the first draft the test ``u * q(d) <
+    p(d)`` rejects and the residual ``max(0, p - q)`` it leaves (``p`` with
+    ``d`` removed for a one-hot copy); ``(num_drafts, None)`` when every
+    draft is kept. ``q(d) > 0`` holds for a draft drawn from ``q``; a copy
+    has ``q(d) == 1``."""
     num_drafts = len(draft_ids)
     assert target.shape[0] == num_drafts + 1, "one target row per fed token"
-    assert len(accept_u) >= num_drafts, "one uniform a draft"
     for i, draft in enumerate(draft_ids):
         p = target[i]  # [vocab]
         q_draft = 1.0 if draft_probs is None else float(draft_probs[i, draft])
-        if q_draft > 0.0 and accept_u[i] * q_draft < float(p[draft]):
+        if q_draft > 0.0 and uniform_at(i) * q_draft < float(p[draft]):
             continue
         if draft_probs is None:
             residual = p.clone()
             residual[draft] = 0.0
         else:
             residual = torch.clamp(p - draft_probs[i], min=0.0)
-        return i, draw_inverse_cdf(residual if float(residual.sum()) > 0.0 else p, draw_u)
-    return num_drafts, draw_inverse_cdf(target[num_drafts], draw_u)
+        return i, residual
+    return num_drafts, None
 
 
 def draw_inverse_cdf(
