@@ -44,6 +44,13 @@ if TYPE_CHECKING:
 
 
 # What the CUDA step captures, until the engine lists its captured shapes.
+def step_path(device: str) -> str:
+    """Which step ``generate --step-path auto`` runs here."""
+    if device.startswith("cuda"):
+        return "device: one upload and one readback a step (--step-path host: the host's)"
+    return "host (--step-path device runs the GPU's step here)"
+
+
 def graph_shapes(device: str, num_slots: int) -> str:
     """The device step's CUDA graph shapes as `info` shows them (they are
     captured lazily, as a run first needs each one); none on the CPU, which
@@ -154,6 +161,7 @@ def info(
         ("MTP layers", mtp_text),
         ("KV bytes per token", f"{facts.kv_bytes_per_token:,} (as the cache stores it)"),
         ("KV cache", describe_kv_cache(facts)),
+        ("step", step_path(facts.device)),
         ("graphs", graph_shapes(facts.device, facts.num_slots)),
         ("EOS ids", ", ".join(map(str, loaded.eos_token_ids))),
         ("load time", f"{facts.load_s:.2f} s"),
