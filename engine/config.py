@@ -49,6 +49,11 @@ class MtpLadder:
         """The ladder as ``parse`` reads it: ``"8:3,15:2,1"`` for the default."""
         return ",".join([*(f"{n}:{d}" for n, d in self.steps), str(self.beyond)])
 
+    @property
+    def longest(self) -> int:
+        """The longest chain any batch size drafts."""
+        return max([self.beyond, *(drafts for _, drafts in self.steps)])
+
     def drafts_for(self, running: int) -> int:
         for max_running, drafts in self.steps:
             if running <= max_running:

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from metrale.engine.api import SamplingParams
 from metrale.engine.config import EngineConfig, StepPathError
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
 from metrale.engine.runtime.static_step import (
@@ -82,7 +83,7 @@ def device_step_for(model: Any, mtp: Sequence[Any], config: EngineConfig) -> Dev
         if path == "device":
             raise StepPathError(f"step_path: device cannot run this model: {problem}")
         return None
-    ladder, module = config.mtp_ladder, mtp[0] if mtp else None
+    module = mtp[0] if mtp else None
     # A MoE block whose experts cannot run grouped here reads its routing
     # counts on the host, every layer: such a step is not capturable.
     capturable = model.prepare_static() and (module is None or module.prepare_static())
@@ -90,7 +91,7 @@ def device_step_for(model: Any, mtp: Sequence[Any], config: EngineConfig) -> Dev
         model,
         module,
         num_slots=min(model.num_slots, config.max_batch),
-        max_depth=min(max([ladder.beyond, *(d for _, d in ladder.steps)]), MAX_WIDTH - 1),
+        max_depth=min(config.mtp_ladder.longest, MAX_WIDTH - 1),
         min_prob=config.mtp_min_prob,
         graphs=capturable,
     )
@@ -156,17 +157,15 @@ class VerifyRow:
 
     ``drafts_q``: the drafts are the MTP chain's own sampled drafts, whose
     distributions the device step holds (False: greedy, or a copy).
-    ``temperature == 0``: greedy. ``generator``: the request's generator on
-    the device (sampled only). ``chain``: drafts to chain for the next step.
+    ``generator``: the request's generator on the device (sampled only).
+    ``chain``: drafts to chain for the next step.
     """
 
     slot: int
     start: int
     tokens: Sequence[int]
     drafts_q: bool
-    temperature: float
-    top_k: int
-    top_p: float
+    params: SamplingParams
     generator: torch.Generator | None
     chain: int
 
@@ -253,7 +252,7 @@ class DeviceStep:
         depth = min(self.max_depth, max(r.chain for r in rows))
         needed = max(r.start for r in rows) + width + depth
         ctx = ctx_bucket(needed, self._cache_len)
-        sampled = any(r.temperature > 0 for r in rows)
+        sampled = any(not r.params.greedy for r in rows)
         inputs = self._upload(rows, batch, width)
         tokens, starts, widths, one_hot, chain, top_k, temperature, top_p = inputs
         logits, hidden = self.static.forward(tokens, starts, ctx)
@@ -266,7 +265,7 @@ class DeviceStep:
             # A fixed layout per request and step, whatever the batch's width
             # and depth: accept tests, the emitted token's draw, the chain's draws.
             uniforms = request_uniforms(by_slot, MAX_WIDTH + self.max_depth, self.device)
-            cuts = any(r.top_k > 0 or r.top_p < 1.0 for r in rows)
+            cuts = any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows)
             sampling = _Sampling((temperature, top_k, top_p), cuts, uniforms[:, MAX_WIDTH:])
             # Each slot's parameters on its W rows (expand: no host read for the size).
             temps, ks, ps = (p[:, None].expand(batch, width).reshape(-1) for p in sampling.params)
@@ -308,8 +307,8 @@ class DeviceStep:
         floats[1] = 1.0
         for r in rows:
             grid[r.slot, : len(r.tokens)] = r.tokens
-            fields[:5, r.slot] = (r.start, len(r.tokens), not r.drafts_q, r.chain, r.top_k)
-            floats[:, r.slot] = (r.temperature, r.top_p)
+            fields[:5, r.slot] = (r.start, len(r.tokens), not r.drafts_q, r.chain, r.params.top_k)
+            floats[:, r.slot] = (r.params.temperature, r.params.top_p)
         # Safe to rewrite next step: every step ends in an event sync on this
         # stream, after this copy. On the CPU a copy too, so that nothing the
         # step computes shares the host buffer (the sync counter exempts it).

@@ -118,7 +118,7 @@ class Engine:
             max_drafts = min(self._lookup.max_drafts, MAX_WIDTH - 1)
             self._lookup = dataclasses.replace(self._lookup, max_drafts=max_drafts)
         # Under the budget a chain may be as long as the ladder's longest.
-        self._chain_cap = max([config.mtp_ladder.beyond, *(d for _, d in config.mtp_ladder.steps)])
+        self._chain_cap = config.mtp_ladder.longest
         self._eos = frozenset(eos_token_ids)
         self._scope_fields = (model_name, tokenizer_name, adapter)
         shared = config.shared_lookup_config()
@@ -440,22 +440,18 @@ class Engine:
         sequence's bookkeeping on the host, as ``_verify`` does it."""
         assert self._device is not None
         chain = self._ladder_nd(len(batch))
-        rows = []
-        for seq in batch:
-            params = seq.request.params
-            rows.append(
-                VerifyRow(
-                    slot=seq.slot,
-                    start=seq.seq_len,
-                    tokens=[seq.last_token, *seq.pending_drafts],
-                    drafts_q=seq.pending_probs is not None,
-                    temperature=params.temperature,
-                    top_k=params.top_k,
-                    top_p=params.top_p,
-                    generator=seq.generator,
-                    chain=chain,
-                )
+        rows = [
+            VerifyRow(
+                slot=seq.slot,
+                start=seq.seq_len,
+                tokens=[seq.last_token, *seq.pending_drafts],
+                drafts_q=seq.pending_probs is not None,
+                params=seq.request.params,
+                generator=seq.generator,
+                chain=chain,
             )
+            for seq in batch
+        ]
         self._counters.verifies += 1
         for seq, out in zip(batch, self._device.run(rows), strict=True):
             self._settle_verify(seq, out.emitted)
