@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from metrale.engine.api import Request, SamplingParams
+from metrale.engine.bench.figures import first_difference
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine
 from metrale.engine.load.loader import load_model
@@ -152,11 +153,11 @@ def first_divergence(
 ) -> dict[str, Any] | None:
     """Where ``got`` leaves ``expected``, and the reference's logit margin of
     its own token over metrale's there (``None`` when they agree)."""
-    if got == expected:
+    at = first_difference(expected, got)
+    if at is None:
         return None
-    at = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None)
-    if at is None:  # one is a prefix of the other
-        return {"index": min(len(expected), len(got)), "lengths": [len(expected), len(got)]}
+    if at >= min(len(expected), len(got)):  # one is a prefix of the other
+        return {"index": at, "lengths": [len(expected), len(got)]}
     ids = torch.tensor([[*prompt, *expected[:at]]], device=reference.device)
     with torch.inference_mode():
         logits = reference(ids).logits[0, -1].float()  # [vocab]

@@ -16,8 +16,6 @@ preallocated KV slots), which an RSS delta cannot see.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import os
 import threading
@@ -25,6 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+from metrale.engine.load.heap import release_free_heap
 
 SAMPLE_S = 0.005
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -56,8 +56,7 @@ def frozen_heap() -> Iterator[None]:
 
 def _trim_heap() -> None:
     gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    release_free_heap()  # not glibc: nothing to trim
 
 
 class PeakMemory:

@@ -364,8 +364,10 @@ def choose_max_len(
             f"max_len {max_len} exceeds the model's context length {spec.context_len}"
         )
     if runtime.kv_budget_mb is not None:
-        layers = spec.num_layers + (num_stacks - 1)
-        per_position = layers * spec.kv_width * dtype.itemsize * runtime.num_slots
+        per_slot = kv_bytes_per_position(
+            spec.num_layers, num_stacks - 1, spec.kv_width, dtype.itemsize
+        )
+        per_position = per_slot * runtime.num_slots
         fits = int(runtime.kv_budget_mb * 2**20) // per_position
         if fits < 2:
             raise CheckpointError(
