@@ -40,23 +40,31 @@ from metrale.cli.options import (
 from metrale.engine.config import RuntimeConfig
 
 if TYPE_CHECKING:
-    from metrale.engine.load.loader import ModelInfo
+    from metrale.engine.load.loader import LoadedModel, ModelInfo
 
 
-# What the CUDA step captures, until the engine lists its captured shapes.
-def step_path(device: str) -> str:
-    """Which step ``generate --step-path auto`` runs here."""
-    if device.startswith("cuda"):
-        return "device: one upload and one readback a step (--step-path host: the host's)"
-    return "host (--step-path device runs the GPU's step here)"
+def step_path(loaded: LoadedModel) -> str:
+    """Which step ``generate --step-path auto`` runs for this model here: the
+    device step's own rule (``device_step.device_step_problem``)."""
+    from metrale.engine.device_step import device_step_problem
+
+    if loaded.model.device.type != "cuda":
+        return "host (--step-path device runs the GPU's step here)"
+    problem = device_step_problem(loaded.model, loaded.mtp)
+    if problem is not None:
+        return f"host: the device step cannot run it ({problem})"
+    return "device: one upload and one readback a step (--step-path host: the host's)"
 
 
-def graph_shapes(device: str, num_slots: int) -> str:
+def graph_shapes(loaded: LoadedModel, step: str) -> str:
     """The device step's CUDA graph shapes as `info` shows them (they are
-    captured lazily, as a run first needs each one); none on the CPU, which
-    runs every forward eagerly."""
-    if not device.startswith("cuda"):
+    captured lazily, as a run first needs each one); none where the host
+    step runs, which runs every forward eagerly."""
+    if loaded.model.device.type != "cuda":
         return "none on the CPU (every forward runs eagerly)"
+    if not step.startswith("device"):
+        return "none: the host step runs every forward eagerly"
+    num_slots = loaded.info.num_slots
     from metrale.engine.runtime.static_step import MAX_GRAPHS, MIN_CTX, WIDTHS, batch_buckets
 
     batches = ", ".join(map(str, batch_buckets(num_slots)))
@@ -140,6 +148,7 @@ def info(
         Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     facts = loaded.info
+    step = step_path(loaded)
     table = Table(show_header=False, box=None)
     mtp_text = f"{facts.mtp_layout} x {facts.mtp_count}" if facts.mtp_layout else "none"
     if facts.mtp_draft_vocab is not None:
@@ -161,8 +170,8 @@ def info(
         ("MTP layers", mtp_text),
         ("KV bytes per token", f"{facts.kv_bytes_per_token:,} (as the cache stores it)"),
         ("KV cache", describe_kv_cache(facts)),
-        ("step", step_path(facts.device)),
-        ("graphs", graph_shapes(facts.device, facts.num_slots)),
+        ("step", step),
+        ("graphs", graph_shapes(loaded, step)),
         ("EOS ids", ", ".join(map(str, loaded.eos_token_ids))),
         ("load time", f"{facts.load_s:.2f} s"),
     ]

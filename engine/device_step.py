@@ -78,7 +78,7 @@ def device_step_for(model: Any, mtp: Sequence[Any], config: EngineConfig) -> Dev
     path = config.step_path
     if path == "host" or (path == "auto" and model.device.type != "cuda"):
         return None
-    problem = _cannot_run(model, mtp)
+    problem = device_step_problem(model, mtp)
     if problem is not None:
         if path == "device":
             raise StepPathError(f"step_path: device cannot run this model: {problem}")
@@ -97,7 +97,7 @@ def device_step_for(model: Any, mtp: Sequence[Any], config: EngineConfig) -> Dev
     )
 
 
-def _cannot_run(model: Any, mtp: Sequence[Any]) -> str | None:
+def device_step_problem(model: Any, mtp: Sequence[Any]) -> str | None:
     """Why the device step cannot run ``model`` with ``mtp``; None when it can."""
     spec = getattr(model, "spec", None)
     if spec is None or not hasattr(model, "forward_static"):
