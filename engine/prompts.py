@@ -69,3 +69,13 @@ def user_prompt_ids(tokenizer: Tokenizer, content: str) -> tuple[int, ...]:
 def text_prompt_ids(tokenizer: Tokenizer, prompt: str) -> tuple[int, ...]:
     """The ids of a raw prompt, with the tokenizer's special tokens."""
     return tuple(int(i) for i in tokenizer.encode(prompt))
+
+
+def record_prompt_ids(record: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[int, ...] | None:
+    """The ids ``generate`` serves for a JSONL record's ``messages`` or
+    ``prompt`` (chat-templated or plain); None when it has neither."""
+    if "messages" in record:
+        return chat_prompt_ids(tokenizer, record["messages"])
+    if "prompt" in record:
+        return text_prompt_ids(tokenizer, record["prompt"])
+    return None

@@ -34,7 +34,7 @@ from metrale.engine.bench.timing import take_turns
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine
 from metrale.engine.load.loader import LoadedModel, load_model
-from metrale.engine.prompts import chat_prompt_ids, text_prompt_ids
+from metrale.engine.prompts import record_prompt_ids
 
 CONFIGS: dict[str, dict[str, object]] = {
     "no drafts": {"mtp": False, "prompt_lookup": None, "draft_policy": "fixed"},
@@ -53,10 +53,8 @@ def read_requests(path: Path, loaded: LoadedModel, max_tokens: int | None) -> li
             continue
         item = json.loads(line)
         body = item.get("body", item)
-        if "messages" in body:
-            ids = chat_prompt_ids(loaded.tokenizer, body["messages"])
-        else:
-            ids = text_prompt_ids(loaded.tokenizer, body["prompt"])
+        ids = record_prompt_ids(body, loaded.tokenizer)
+        assert ids is not None, f"{path}:{n + 1} has no messages or prompt"
         tokens = max_tokens or int(body.get("max_tokens", 128))
         requests.append(Request(str(n), tuple(ids), SamplingParams(max_tokens=tokens)))
     return requests

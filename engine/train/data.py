@@ -36,7 +36,7 @@ import torch
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig
 from metrale.engine.engine import Engine
-from metrale.engine.prompts import Tokenizer, chat_prompt_ids, text_prompt_ids
+from metrale.engine.prompts import Tokenizer, record_prompt_ids
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Model, Segment
 
 if TYPE_CHECKING:
@@ -149,11 +149,10 @@ def text_sequences(path: Path, tokenizer: Any, window: int) -> list[TrainSequenc
 def prompt_ids(record: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
     """The token ids a JSONL line asks the model to continue: the ids
     ``generate`` would serve for it, so the head learns to draft after them."""
-    if "messages" in record:
-        return chat_prompt_ids(tokenizer, record["messages"])
-    if "prompt" in record:
-        return text_prompt_ids(tokenizer, record["prompt"])
-    raise ValueError("a training JSONL line needs `messages` or `prompt`")
+    ids = record_prompt_ids(record, tokenizer)
+    if ids is None:
+        raise ValueError("a training JSONL line needs `messages` or `prompt`")
+    return ids
 
 
 def read_jsonl(path: Path, tokenizer: Any) -> tuple[list[TrainSequence], list[PromptRecord]]:
