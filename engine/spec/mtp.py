@@ -272,11 +272,8 @@ class MtpDrafter:
         """Appends each live feed's draft at ``depth``, unless the confidence
         rule (module doc) holds it back; with a budget, always, telling it the
         draft's confidence where that may be used."""
-        argmax = logits.argmax(dim=-1).tolist()  # [num_live]: one device sync a depth
         budget = self.budget
-        if budget is not None:
-            top = logits.float().softmax(dim=-1).amax(dim=-1).tolist()  # [num_live]
-        sure = self._sure(logits) if budget is None else [True] * len(live)  # [num_live]
+        argmax, top, sure = self._greedy_reads(logits, gate=budget is None)  # [num_live] each
         for k, i in enumerate(live):
             seq = feeds[i].seq
             if seq.request.params.greedy:
@@ -299,13 +296,21 @@ class MtpDrafter:
         a budget: the ask and the confidence rule decide)."""
         return self.budget is None or self.budget.deeper(seq, depth, live)
 
-    def _sure(self, logits: torch.Tensor) -> list[bool]:
-        """Per row of ``logits`` ``[rows, vocab]``: whether the greedy draft is
-        likely enough to propose."""
-        if self.min_prob == 0.0:
-            return [True] * logits.shape[0]
-        top = logits.float().softmax(dim=-1).amax(dim=-1)  # [rows]
-        return (top >= self.min_prob).tolist()
+    def _greedy_reads(
+        self, logits: torch.Tensor, gate: bool
+    ) -> tuple[list[int], list[float], list[bool]]:
+        """Per row of ``logits`` ``[rows, vocab]``: the greedy draft, the
+        module's top probability (what a budget is told; 0.0 where nothing
+        reads it) and, under the ``min_prob`` rule (``gate``), whether the
+        draft is likely enough to propose; read back in one device sync."""
+        argmax = logits.argmax(dim=-1)  # [rows]
+        rows = logits.shape[0]
+        if not gate or self.min_prob > 0.0:
+            top = logits.float().softmax(dim=-1).amax(dim=-1)  # [rows]
+            sure = top >= self.min_prob if gate else torch.ones_like(top, dtype=torch.bool)
+            both = torch.stack([argmax.double(), top.double(), sure.double()]).tolist()
+            return [int(a) for a in both[0]], both[1], [bool(x) for x in both[2]]
+        return argmax.tolist(), [0.0] * rows, [True] * rows
 
 
 def _drafts_on(cap: int, depth: int, drafts: list[int]) -> bool:
