@@ -114,11 +114,14 @@ def plan_workers(
     return WorkerPlan(count, share, 0, share, runtime)
 
 
-def driver_card(model: str | None, runtime: RuntimeConfig) -> tuple[Any, Any, str]:
+def driver_card(
+    model: str | None, runtime: RuntimeConfig, on_gpus: bool = False
+) -> tuple[Any, Any, str]:
     """The tokenizer, the ``WorkerCard`` the driver tokenizes by and why its
     ``max_len`` is what it is (``ModelInfo.kv_limit``), read from the
     checkpoint without loading its weights (the driver may hold no GPU, nor
-    memory for the model)."""
+    memory for the model). ``on_gpus``: the workers run on GPUs, so their
+    default dtype (bfloat16) is the one a KV budget is counted in."""
     from metrale.cli.ray_worker import WorkerCard
     from metrale.engine.load.checkpoint import read_checkpoint
     from metrale.engine.load.fast_tokenizer import read_tokenizer
@@ -140,7 +143,7 @@ def driver_card(model: str | None, runtime: RuntimeConfig) -> tuple[Any, Any, st
     # (GPU workers without --kv-cache-gb or --max-len size their positions
     # from their own free memory, which the driver cannot know).
     cpu = torch.device("cpu")
-    dtype = pick_dtype(runtime.dtype, cpu)
+    dtype = pick_dtype(runtime.dtype, torch.device("cuda") if on_gpus else cpu)
     found, head = drafter_of(checkpoint, runtime, resolved.shipped_head)
     sizing, limit = size_cache(checkpoint, runtime, cpu, dtype, found.count if found else 0, head)
     eos = eos_token_ids(resolved.folder, checkpoint.raw_config, tokenizer)
@@ -153,7 +156,7 @@ def open_ray_backend(
     """Connects to the cluster, plans the workers and reads the tokenizer;
     the actors start when the run does."""
     pipeline = RayPipeline(settings, model, runtime, engine)
-    tokenizer, card, limit = driver_card(model, runtime)
+    tokenizer, card, limit = driver_card(model, runtime, on_gpus=pipeline.plan.num_gpus > 0)
     pipeline.card = card
     return Backend(
         name=card.name,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -15,6 +17,7 @@ from metrale.cli.ray_backend import RaySettings, plan_workers
 from metrale.cli.ray_feed import windows
 from metrale.engine.api import Request
 from metrale.engine.config import RuntimeConfig
+from tests.checkpoints import write_tiny_checkpoint
 
 WIDE = {"COLUMNS": "400", "NO_COLOR": "1"}
 
@@ -124,3 +127,20 @@ def test_the_cli_and_its_ray_backend_import_no_ray() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     )
     assert done.stdout.strip() == ""
+
+
+def test_the_driver_counts_a_kv_budget_in_the_gpu_workers_dtype(tmp_path: Path) -> None:
+    """GPU workers load in bfloat16: a --kv-cache-gb budget holds twice the
+    positions it holds in float32, and the driver's card must say the same
+    (else every worker's card would be refused as another model's)."""
+    from metrale.cli.ray_backend import driver_card
+    from metrale.engine.load.loader import load_model
+
+    path = write_tiny_checkpoint(tmp_path / "tiny")
+    runtime = RuntimeConfig(num_slots=4, kv_cache_gb=0.0003)
+    _, on_cpus, _ = driver_card(str(path), runtime)
+    _, on_gpus, limit = driver_card(str(path), runtime, on_gpus=True)
+    as_bf16 = load_model(path, replace(runtime, device="cpu", dtype="bfloat16"))
+    as_f32 = load_model(path, replace(runtime, device="cpu", dtype="float32"))
+    assert on_gpus.max_len == as_bf16.info.max_len > on_cpus.max_len == as_f32.info.max_len
+    assert limit == as_bf16.info.kv_limit
