@@ -227,11 +227,14 @@ class Trainer:
     def run_step(self) -> tuple[float, int]:
         """One optimizer step; returns ``(mean loss, trained positions)``."""
         indices = self.batch(self.step)
-        total = float(sum(float(self._weights(self.train[i]).sum()) for i in indices))
+        weights_of = {i: self._weights(self.train[i]) for i in indices}
+        total = float(sum(float(w.sum()) for w in weights_of.values()))
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
+        # Summed on the device (in float64, as Python floats would be): one
+        # read a step, not one a sequence.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.head.device)
         for i in indices:
             seq = self.train[i]
             start = self._first(seq)
@@ -244,15 +247,15 @@ class Trainer:
                 logits = self.head.logits(y)  # [m, vocab]
             # target -1: no known prediction there (a recorded prompt position)
             per_token = F.cross_entropy(logits, targets, reduction="none", ignore_index=-1)
-            weights = self._weights(seq).to(self.head.device)
+            weights = weights_of[i].to(self.head.device)
             if self.config.feature_weight > 0:
                 per_token = per_token + self.config.feature_weight * self._feature_loss(seq, y)
             loss = (per_token * weights).sum() / total
             loss.backward()
-            loss_sum += float(loss.detach())
+            loss_sum += loss.detach().double()
         self.optimizer.step()
         self.step += 1
-        return loss_sum, sum(num_trained(self.train[i], self.first) for i in indices)
+        return float(loss_sum), sum(num_trained(self.train[i], self.first) for i in indices)
 
     def _feature_loss(self, seq: CachedSequence, y: torch.Tensor) -> torch.Tensor:
         """Per position ``[m]``: mean squared distance between the RMS-normalised
