@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metrale.engine.runtime.packed import BLOCK, GROUP, LAYOUT, STRIP, PackedWeight
+from metrale.engine.runtime.packed import ROW_CHUNK, PackedWeight, tiled_rows
 
-# Rows ``packed_rows`` gathers at a time: 16 groups of 64.
-_CHUNK_ROWS = 16 * GROUP * STRIP
+# Rows ``packed_rows`` gathers at a time (``PackedWeight.rows``).
+_CHUNK_ROWS = ROW_CHUNK
 
 
 class Embedding:
@@ -47,17 +47,10 @@ class Embedding:
 
     def packed_rows(self, index: torch.Tensor) -> PackedWeight:
         """Rows ``index`` of a packed table as a packed weight (an MTP head's
-        draft vocabulary of a tied LM head), gathered and tiled
-        ``_CHUNK_ROWS`` at a time: the whole gather beside its tiles would
-        add their size again to a one-line job's peak memory."""
+        draft vocabulary of a tied LM head): ``PackedWeight.rows``."""
         packed = self.packed
         assert packed is not None
-        ids = index.cpu()
-        chunks = (
-            tiled_rows(packed, ids[start : start + _CHUNK_ROWS])
-            for start in range(0, len(ids), _CHUNK_ROWS)
-        )
-        return PackedWeight.from_row_chunks(packed.fmt, len(ids), chunks, packed.kernel)
+        return packed.rows(index)
 
     def matrix(self) -> torch.Tensor:
         """The whole table ``[vocab, hidden]`` (training reads it; decoding never does)."""
@@ -65,30 +58,6 @@ class Embedding:
             return self.table
         assert self.packed is not None
         return self.packed.dense()
-
-
-def tiled_rows(weight: PackedWeight, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``ids`` of ``weight`` in the row-major block layout (``row_blocks``),
-    gathered straight from its tiles: row ``r`` is lane ``r % 8`` of strip
-    ``r // 8 % 8`` of group ``r // 64`` in every block, so no untiled copy of
-    the whole weight is made."""
-    element, per_block, num_scales = LAYOUT[weight.fmt]
-    k = weight.shape[1]
-    blocks = k // BLOCK
-    group, strip, lane = ids // (GROUP * STRIP), ids // STRIP % GROUP, ids % STRIP
-
-    def gather(tiles: torch.Tensor, per_row: int) -> torch.Tensor:
-        # tiles: [groups, blocks * GROUP * per_row * STRIP] -> [len(ids), blocks * per_row]
-        grid = tiles.view(tiles.shape[0], blocks, GROUP, per_row, STRIP)
-        return grid[group, :, strip, :, lane].reshape(len(ids), blocks * per_row)
-
-    data = gather(weight.tiles.view(element), per_block).view(torch.uint8)
-    scales = (
-        gather(weight.tile_scales, num_scales)
-        if num_scales
-        else weight.tile_scales.new_zeros(len(ids), 0)
-    )
-    return data.reshape(len(ids), -1), scales
 
 
 def decode_rows(fmt: str, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

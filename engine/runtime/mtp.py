@@ -134,10 +134,8 @@ class MtpLayer:
         self.draft_vocab = weights.draft_vocab
         if self.draft_vocab is not None:
             index = self.draft_vocab.to(model.device)
-            if lm_head is model.head.embed.packed:  # a tied head: its rows are kept
-                rows: Weight = model.head.embed.packed_rows(index)
-            elif isinstance(lm_head, PackedWeight):
-                rows = lm_head.rows(index)
+            if isinstance(lm_head, PackedWeight):  # tied or not, its rows are kept
+                rows: Weight = lm_head.rows(index)
             else:
                 rows = lm_head[index]
             lm_head, self.draft_vocab = rows, index

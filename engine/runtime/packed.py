@@ -48,6 +48,8 @@ LAYOUT = {
 }
 STRIP = 8  # rows of a strip: the kernel decodes one column of 8 rows per load
 GROUP = 8  # strips of a group: 64 rows, stored block by block
+# Rows PackedWeight.rows gathers and tiles at a time: 16 groups of 64.
+ROW_CHUNK = 16 * GROUP * STRIP
 
 
 @dataclass(frozen=True)
@@ -145,11 +147,16 @@ class PackedWeight:
         return self.kernel.linear(self.fmt, x.contiguous(), self.tiles, self.tile_scales, n)
 
     def rows(self, index: torch.Tensor) -> PackedWeight:
-        """The weight's rows ``index`` (int64), in that order."""
-        data, scales = self.row_blocks()
-        return PackedWeight.from_rows(
-            self.fmt, data.index_select(0, index), scales.index_select(0, index), self.kernel
+        """The weight's rows ``index`` (int64), in that order, gathered from
+        the tiles and tiled again ``ROW_CHUNK`` at a time: neither an untiled
+        copy of the whole weight nor all the gathered rows beside their tiles
+        are ever held (a one-line job's peak memory)."""
+        ids = index.cpu()
+        chunks = (
+            tiled_rows(self, ids[start : start + ROW_CHUNK])
+            for start in range(0, len(ids), ROW_CHUNK)
         )
+        return PackedWeight.from_row_chunks(self.fmt, len(ids), chunks, self.kernel)
 
     @staticmethod
     def stack(parts: list[PackedWeight]) -> PackedWeight:
@@ -274,3 +281,27 @@ def save_packed(weights: dict[str, tuple[str, torch.Tensor, torch.Tensor]], file
         tensors[f"{name}.scales"] = scales.contiguous()
         formats[name] = fmt
     save_file(tensors, str(file), metadata=formats)
+
+
+def tiled_rows(weight: PackedWeight, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``ids`` of ``weight`` in the row-major block layout (``row_blocks``),
+    gathered straight from its tiles: row ``r`` is lane ``r % 8`` of strip
+    ``r // 8 % 8`` of group ``r // 64`` in every block, so no untiled copy of
+    the whole weight is made."""
+    element, per_block, num_scales = LAYOUT[weight.fmt]
+    k = weight.shape[1]
+    blocks = k // BLOCK
+    group, strip, lane = ids // (GROUP * STRIP), ids // STRIP % GROUP, ids % STRIP
+
+    def gather(tiles: torch.Tensor, per_row: int) -> torch.Tensor:
+        # tiles: [groups, blocks * GROUP * per_row * STRIP] -> [len(ids), blocks * per_row]
+        grid = tiles.view(tiles.shape[0], blocks, GROUP, per_row, STRIP)
+        return grid[group, :, strip, :, lane].reshape(len(ids), blocks * per_row)
+
+    data = gather(weight.tiles.view(element), per_block).view(torch.uint8)
+    scales = (
+        gather(weight.tile_scales, num_scales)
+        if num_scales
+        else weight.tile_scales.new_zeros(len(ids), 0)
+    )
+    return data.reshape(len(ids), -1), scales
