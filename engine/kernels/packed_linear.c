@@ -27,8 +27,12 @@
  * product run in broadcast form: a decoded chunk of 64 columns of a group
  * (16 KB) stays in the core's first-level cache while tiles of up to 6 input
  * rows x 16 outputs multiply against it, each step one broadcast input value
- * and a few weight loads feeding up to twelve fused multiply-adds. A single
- * row skips the buffer: each decoded vector goes straight into its FMA. At
+ * and a few weight loads feeding up to twelve fused multiply-adds. Up to six
+ * rows (a decode step, or a verify of a few drafts) skip the buffer: each
+ * decoded vector goes straight from its register into one FMA per row, so a
+ * verify of 2 rows costs little more than a step of 1 (the decode, not the
+ * FMA, is most of a narrow product's work; a buffer would be stored and read
+ * back per tile). At
  * every width from one row to a prefill chunk this beats decoding the whole weight
  * to float32 for a BLAS, which writes 4 bytes a value to memory and reads
  * them back, so prefill chunks run here too.
@@ -391,6 +395,120 @@ static void row_product(
         memcpy(out + n0, group_out + (n0 - group * COLS), sizeof(float) * (n1 - n0));
     }
 }
+
+/* Two to six rows: each decoded weight vector stays in a register and
+ * feeds an FMA of every row, so the decode (most of a narrow product's work)
+ * is done once for the rows of a verify instead of once into a buffer and
+ * read back per tile. R rows x S strips of accumulators (2 x 4, or 3..6 x 2)
+ * with S decoded vectors and one broadcast fit the 16 registers. Q4_1 and
+ * Q8_0 (bfloat16's decode is a shift: its tiles lose little).
+ *
+ * One call is one block (32 columns) of S strips: the accumulators come from
+ * and go back to `acc` (R rows of COLS, in L1), so the caller walks a group
+ * block by block, every strip of a block before the next block, and the
+ * weights stream from memory front to back as at one row. (Holding the
+ * accumulators over all of K would need a pass per strip pair, and the
+ * weights of a model do not stay in the cache from one pass to the next.)
+ * Each output's sum is the same chain of fused multiply-adds in ascending k,
+ * on the same decoded floats, as in the tiles and the single row: a sum
+ * parked in `acc` between blocks is the same float. `data`/`scales` point at
+ * the first of the S strips' block; `x` at the block's first column. */
+#define RS_EACH(op) \
+    op(0, 0) op(0, 1) op(0, 2) op(0, 3) op(1, 0) op(1, 1) op(1, 2) op(1, 3) \
+    op(2, 0) op(2, 1) op(3, 0) op(3, 1) op(4, 0) op(4, 1) op(5, 0) op(5, 1)
+#define RS_ON(r, s) (R > (r) && S > (s) && ((r) < 2 || (s) < 2))
+#define RS_LOAD(r, s) \
+    __m256 acc##r##s = RS_ON(r, s) ? _mm256_loadu_ps(acc + (r) * COLS + (s) * LANES) : _mm256_setzero_ps();
+#define RS_STORE(r, s) \
+    if (RS_ON(r, s)) _mm256_storeu_ps(acc + (r) * COLS + (s) * LANES, acc##r##s);
+#define RS_FMA(r, s) \
+    if (RS_ON(r, s)) acc##r##s = _mm256_fmadd_ps(_mm256_broadcast_ss(x + (r) * K + k), w##s, acc##r##s);
+
+static inline __attribute__((always_inline)) void rows_q4_1(
+    const int R, const int S, const float *x, int64_t K, const uint8_t *bytes, const float *sc, float *acc) {
+    RS_EACH(RS_LOAD)
+    const __m256i low_nibble = _mm256_set1_epi32(0x0F);
+#define Q4_W(s)                                                                                      \
+    __m256 w##s = _mm256_setzero_ps();                                                               \
+    if (S > (s)) {                                                                                   \
+        __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + (s) * 128 + 8 * j))); \
+        q = high ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, low_nibble);                      \
+        w##s = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(sc + (s) * 16)),  \
+                             _mm256_loadu_ps(sc + (s) * 16 + LANES));                               \
+    }
+    for (int high = 0; high < 2; high++)
+        for (int j = 0; j < BLOCK / 2; j++) {
+            const int k = 16 * high + j;
+            Q4_W(0) Q4_W(1) Q4_W(2) Q4_W(3)
+            RS_EACH(RS_FMA)
+        }
+#undef Q4_W
+    RS_EACH(RS_STORE)
+}
+
+static inline __attribute__((always_inline)) void rows_q8_0(
+    const int R, const int S, const float *x, int64_t K, const uint8_t *bytes, const float *sc, float *acc) {
+    RS_EACH(RS_LOAD)
+#define Q8_W(s)                                                                                        \
+    __m256 w##s = _mm256_setzero_ps();                                                                 \
+    if (S > (s)) {                                                                                     \
+        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + (s) * 256 + 8 * k))); \
+        w##s = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(sc + (s) * LANES));               \
+    }
+    for (int k = 0; k < BLOCK; k++) {
+        Q8_W(0) Q8_W(1) Q8_W(2) Q8_W(3)
+        RS_EACH(RS_FMA)
+    }
+#undef Q8_W
+    RS_EACH(RS_STORE)
+}
+#undef RS_EACH
+#undef RS_ON
+#undef RS_LOAD
+#undef RS_STORE
+#undef RS_FMA
+
+static void run_rows(int format, int R, int S, const float *x, int64_t K, const uint8_t *bytes,
+                     const float *sc, float *acc) {
+#define ROWS_CASE(r, s)                                                          \
+    case (r) * 8 + (s):                                                          \
+        if (format == FORMAT_Q4_1) rows_q4_1(r, s, x, K, bytes, sc, acc);        \
+        else rows_q8_0(r, s, x, K, bytes, sc, acc);                              \
+        break;
+    switch (R * 8 + S) {
+        ROWS_CASE(2, 1) ROWS_CASE(2, 2) ROWS_CASE(2, 3) ROWS_CASE(2, 4)
+        ROWS_CASE(3, 1) ROWS_CASE(3, 2) ROWS_CASE(4, 1) ROWS_CASE(4, 2)
+        ROWS_CASE(5, 1) ROWS_CASE(5, 2) ROWS_CASE(6, 1) ROWS_CASE(6, 2)
+    default: break; /* unreachable: rows_product() asks only for these */
+    }
+#undef ROWS_CASE
+}
+
+/* out [M, N] for 2 <= M <= 6 over this thread's strips [first, last): per
+ * group, its strips of each block in turn, S at a time (module doc above). */
+static void rows_product(int format, const float *x, int64_t M, int64_t K, int64_t blocks,
+                         const uint8_t *data, const float *scales, int64_t block_bytes,
+                         int64_t block_scales, int64_t N, int64_t first, int64_t last, float *out) {
+    float acc[6 * COLS];
+    const int widest = M == 2 ? 4 : 2;
+    for (int64_t s0 = first, s1; s0 < last; s0 = s1) {
+        const int64_t group = s0 / GROUP, group_end = (group + 1) * GROUP;
+        s1 = last < group_end ? last : group_end;
+        const int count = (int)(s1 - s0);
+        memset(acc, 0, sizeof acc);
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t at = (group * blocks + b) * GROUP + s0 % GROUP;
+            for (int c = 0; c < count; c += widest) {
+                const int S = count - c < widest ? count - c : widest;
+                run_rows(format, (int)M, S, x + b * BLOCK, K, data + (at + c) * block_bytes,
+                         scales + (at + c) * block_scales, acc + c * LANES);
+            }
+        }
+        const int64_t n0 = s0 * LANES, width = N - n0 < count * LANES ? N - n0 : count * LANES;
+        for (int64_t m = 0; m < M; m++) memcpy(out + m * N + n0, acc + m * COLS, sizeof(float) * width);
+    }
+}
+
 #endif
 
 /* out [M, N] = x [M, K] @ decode(weight)^T. Returns 0, or -1 for a bad
@@ -418,6 +536,9 @@ int metrale_packed_linear(
                                                                        : row_group_bf16;
             row_product(group_product, x, blocks, data, scales, block_bytes, block_scales, N, first, last, out);
             first = last; /* nothing left for the tiles */
+        } else if (M <= 6 && format != FORMAT_BF16) {
+            rows_product(format, x, M, K, blocks, data, scales, block_bytes, block_scales, N, first, last, out);
+            first = last;
         }
 #endif
         const int tiles = first < last; /* the row path may have done it all */
