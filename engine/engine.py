@@ -34,6 +34,7 @@ import torch
 from metrale.engine.api import Grammar, Request, Result
 from metrale.engine.config import EngineConfig
 from metrale.engine.device_step import MAX_WIDTH, VerifyRow, device_step_for
+from metrale.engine.kernels.binding import packed_kernel
 from metrale.engine.load.home import metrale_home
 from metrale.engine.runtime.model import Model, MtpModule, Segment
 from metrale.engine.sampling import draw, make_generator, target_probs
@@ -679,7 +680,8 @@ class _StepTimes:
 
 def calibration_key(loaded: LoadedModel) -> dict[str, str]:
     """What a calibration is valid for: the model and its weights as loaded,
-    where and in which dtype they run, and on how many threads."""
+    where and in which dtype they run, on how many threads, and with which
+    build of the C kernels (a faster kernel prices rows differently)."""
     info = loaded.info
     return {
         "model": loaded.name,
@@ -691,7 +693,13 @@ def calibration_key(loaded: LoadedModel) -> dict[str, str]:
         "dtype": info.dtype,
         "threads": str(torch.get_num_threads()),
         "slots": str(info.num_slots),
+        "kernels": _kernel_build(info.weights),
     }
+
+
+def _kernel_build(weights: str) -> str:
+    kernel = packed_kernel() if weights.startswith("packed") else None
+    return kernel.build if kernel is not None else "none"
 
 
 def _truncate_drafts(seq: SeqState, keep: int) -> None:

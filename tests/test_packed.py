@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.engine import Engine
+from metrale.engine.engine import Engine, calibration_key
 from metrale.engine.kernels.binding import PackedKernel, packed_kernel
 from metrale.engine.load.gguf_convert import packed_blocks
 from metrale.engine.load.loader import load_model
@@ -157,6 +157,18 @@ def test_a_packed_model_loads_packed_and_counts_its_parameters_once(
     assert packed_model.info.weights == "packed (q4_1, q8_0)"
     assert dense_model.info.weights == "dense"
     assert packed_model.info.parameters == dense_model.info.parameters
+
+
+def test_a_calibration_names_the_kernel_build_a_packed_model_runs_on(
+    packed_checkpoint: Path, kernel: PackedKernel
+) -> None:
+    # Another build of the kernels prices verify rows differently (a faster
+    # narrow product makes drafts cheaper): its runs must calibrate anew.
+    runtime = RuntimeConfig(device="cpu", dtype="float32", num_slots=2, max_len=64)
+    packed_key = calibration_key(load_model(packed_checkpoint, runtime))
+    dense = load_model(packed_checkpoint, RuntimeConfig(**{**vars(runtime), "weights": "dense"}))
+    assert kernel.build and packed_key["kernels"] == kernel.build
+    assert calibration_key(dense)["kernels"] == "none"
 
 
 def test_a_packed_model_is_not_used_off_float32(packed_checkpoint: Path) -> None:

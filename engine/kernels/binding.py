@@ -52,7 +52,8 @@ class PackedKernel:
     shapes, dtypes and strides and raises ``ValueError``: the C code trusts
     what it is given."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, build: str = "") -> None:
+        self.build = build  # the library's build key: its sources, compiler, flags and CPU
         self._linear = library.metrale_packed_linear
         self._linear.argtypes = [
             _int, _pointer, _int64, _int64, _pointer, _pointer, _int64, _pointer, _int,
@@ -349,7 +350,8 @@ def packed_kernel() -> PackedKernel | None:
         _problem.append("disabled by METRALE_NO_KERNEL")
         return None
     try:
-        return PackedKernel(ctypes.CDLL(str(_build())))
+        library = _build()
+        return PackedKernel(ctypes.CDLL(str(library)), library.stem.rsplit("-", 1)[-1])
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         _problem.append(f"the packed-weight kernel is unavailable: {exc}")
         return None
