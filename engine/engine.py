@@ -534,6 +534,7 @@ class Engine:
         budget = self._budget
         feeds: list[DraftFeed] = []
         parts: list[torch.Tensor] = []
+        released = False  # held rows fed: a forward dearer than a step's own
         for seq, start, first in zip(batch, starts, first_rows, strict=True):
             if seq.finished:
                 continue
@@ -545,6 +546,7 @@ class Engine:
                 if not budget.wants_chain(seq, running):
                     own.hold(start, next_ids, rows)
                     continue
+                released = released or bool(own.held)
                 start, next_ids, rows = own.release(start, next_ids, rows)
             feeds.append(DraftFeed(seq, start, next_ids, self._chain_len(seq, running)))
             parts.append(rows)
@@ -552,7 +554,7 @@ class Engine:
             began, forwards = self._clock(), self._drafter.forwards
             self._drafter.feed_and_draft(feeds, torch.cat(parts))
             ran = self._drafter.forwards - forwards
-            if self._budget is not None and ran:
+            if self._budget is not None and ran and not released:
                 self._budget.costs.head.observe(len(feeds), (self._clock() - began) / ran)
 
     def _finish(self, finished: list[SeqState]) -> list[Result]:

@@ -19,9 +19,10 @@ from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine, calibration_key
 from metrale.engine.load.loader import load_model
 from metrale.engine.prompts import user_prompt_ids
+from metrale.engine.spec.budget import DraftBudget
 from metrale.engine.spec.copies import BATCHED_COPY_MAX
 from metrale.engine.spec.cost import CostCache, CostModel, RunningCosts, bucket
-from metrale.engine.spec.plan import best_plan
+from metrale.engine.spec.plan import Plan, best_plan
 from metrale.lookup import PromptLookupConfig
 from tests.checkpoints import write_tiny_checkpoint
 from tests.fake_model import CostedModel, CostedMtp, FakeClock, FakeModel, FakeMtp, reference_greedy
@@ -109,6 +110,24 @@ def test_the_plan_verifies_sure_drafts_when_rows_are_cheap_and_none_when_dear() 
 
 
 # -- the cost model -------------------------------------------------------------
+
+
+def test_the_chain_is_worth_its_gain_less_its_rows_time_over_the_best_other_choice() -> None:
+    # Rows cost 3 ms each over a 10 ms step; the chain offers 0.9 then 0.7
+    # more accepted drafts, a copy 0.5. Two chain drafts: 3 rows in 16 ms.
+    costs = CostModel(FakeClock())
+    for rows in range(1, 5):
+        costs.verify.observe(rows, 0.010 + 0.003 * (rows - 1))
+    budget = DraftBudget(costs)
+    chain, copy = [0.9, 1.6], [0.5]
+    plan = Plan(((0, 2),), rows=3, tokens=2.6, seconds=0.016)
+    rate = 2.6 / 0.016
+    own = 1.6 - rate * 0.006  # its 2 rows took 6 ms of the step
+    other = 0.5 - rate * 0.003  # the copy's 1 row would have taken 3
+    assert budget._chain_worth([chain, copy], (0, 2), plan) == pytest.approx(own - other)
+    assert budget._chain_worth([chain], (0, 2), plan) == pytest.approx(own)
+    took_copy = Plan(((1, 1),), rows=2, tokens=1.5, seconds=0.013)
+    assert budget._chain_worth([chain, copy], (1, 1), took_copy) == 0.0
 
 
 def test_costs_are_interpolated_between_buckets_and_follow_new_measurements() -> None:

@@ -259,9 +259,9 @@ class DraftBudget:
         self._plan = plan
         self.rate_s = plan.rate
         self.marginal_s = self._marginal(plan.rows, len(candidates))
-        for c, opts, names, (o, n) in zip(candidates, options, sources, plan.choices, strict=True):
+        for c, opts, names, choice in zip(candidates, options, sources, plan.choices, strict=True):
             if names and names[0] == "mtp":
-                self._value_chain(c.seq, opts, names[o] == "mtp" if n else False, n)
+                self._value_chain(c.seq, self._chain_worth(opts, choice, plan))
         picked: list[tuple[str, int]] = []
         for names, (o, n) in zip(sources, plan.choices, strict=True):
             if n == 0:
@@ -272,14 +272,27 @@ class DraftBudget:
                 picked.append((names[o], n))
         return picked
 
-    def _value_chain(self, seq: SeqState, opts: list[list[float]], chosen: bool, n: int) -> None:
-        """What the chain added this step over the other source at the same
-        rows, net of those rows' cost (tokens at the plan's rate)."""
-        value = 0.0
-        if chosen:
-            other = opts[1][min(n, len(opts[1])) - 1] if len(opts) > 1 else 0.0
-            rows_cost = n * self.marginal_s * self.rate_s
-            value = max(opts[0][n - 1] - other - rows_cost, 0.0)
+    def _chain_worth(self, opts: list[list[float]], choice: tuple[int, int], plan: Plan) -> float:
+        """What the chain (``opts[0]``) added to this step, in tokens at the
+        plan's rate: its expected accepted drafts less the time of the rows
+        they took, over the best the other source could have done with the
+        rest of the plan as chosen; 0 when the plan did not take it."""
+        o, n = choice
+        if n == 0 or o != 0:
+            return 0.0
+        rate, step_s = plan.rate, self.costs.step_s
+        without = plan.rows - n
+        base = step_s(without)
+        worth = opts[0][n - 1] - rate * (plan.seconds - base)
+        other = 0.0
+        if len(opts) > 1:
+            for m, gain in enumerate(opts[1], 1):
+                other = max(other, gain - rate * (step_s(without + m) - base))
+        return max(worth - other, 0.0)
+
+    def _value_chain(self, seq: SeqState, value: float) -> None:
+        """Follows what the chain adds a step (``_chain_worth``), per
+        sequence and run-wide."""
         budget = self.for_seq(seq)
         budget.chain_value += VALUE_ALPHA * (value - budget.chain_value)
         self.chain_value += RUN_VALUE_ALPHA * (value - self.chain_value)
