@@ -308,23 +308,32 @@ static void product(const float *x, int64_t M, int64_t K, const float *w, int kc
  * tiles, on the same decoded floats, so the bits are those of any batch.
  * `data` and `scales` point at the group's first block. */
 #define STRIPS8(op) op(0) op(1) op(2) op(3) op(4) op(5) op(6) op(7)
+
+/* Column k of a strip's eight rows, decoded into one register, as the
+ * register paths (one row, and two to six) take it: Q4_1's column 16 * high + j
+ * from `bytes` (the strip's block) and its scales d[8], m[8] at `sc`; Q8_0's
+ * column k and its d[8]. The arithmetic of decode_q4_1/decode_q8_0. */
+static inline __attribute__((always_inline)) __m256 q4_1_column(
+    const uint8_t *bytes, const float *sc, int high, int j) {
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * j)));
+    q = high ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(0x0F));
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(sc)), _mm256_loadu_ps(sc + LANES));
+}
+
+static inline __attribute__((always_inline)) __m256 q8_0_column(const uint8_t *bytes, const float *sc, int k) {
+    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * k)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(sc));
+}
+
 #define ACC_DECLARE(s) __m256 acc##s = _mm256_setzero_ps();
 #define ACC_OUT(s) _mm256_storeu_ps(out + (s) * LANES, acc##s);
 
 static void row_group_q4_1(const float *x, int64_t blocks, const uint8_t *data, const float *scales, float *out) {
     STRIPS8(ACC_DECLARE)
-    const __m256i low_nibble = _mm256_set1_epi32(0x0F);
     for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
         const uint8_t *bytes = data + b * GROUP * (LANES * BLOCK / 2);
         const float *sc = scales + b * GROUP * 2 * LANES;
-#define Q4_STEP(s)                                                                                  \
-    {                                                                                               \
-        __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + (s) * 128 + 8 * j))); \
-        q = high ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, low_nibble);                     \
-        const __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(sc + (s) * 16)), \
-                                       _mm256_loadu_ps(sc + (s) * 16 + LANES));                    \
-        acc##s = _mm256_fmadd_ps(xk, w, acc##s);                                                    \
-    }
+#define Q4_STEP(s) acc##s = _mm256_fmadd_ps(xk, q4_1_column(bytes + (s) * 128, sc + (s) * 16, high, j), acc##s);
         for (int high = 0; high < 2; high++) /* k = 0..15 from the low nibbles, then 16..31 */
             for (int j = 0; j < BLOCK / 2; j++) {
                 const __m256 xk = _mm256_broadcast_ss(x + 16 * high + j);
@@ -340,12 +349,7 @@ static void row_group_q8_0(const float *x, int64_t blocks, const uint8_t *data, 
     for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
         const uint8_t *bytes = data + b * GROUP * (LANES * BLOCK);
         const float *sc = scales + b * GROUP * LANES;
-#define Q8_STEP(s)                                                                                   \
-    {                                                                                                \
-        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + (s) * 256 + 8 * k))); \
-        const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(sc + (s) * LANES));       \
-        acc##s = _mm256_fmadd_ps(xk, w, acc##s);                                                     \
-    }
+#define Q8_STEP(s) acc##s = _mm256_fmadd_ps(xk, q8_0_column(bytes + (s) * 256, sc + (s) * LANES, k), acc##s);
         for (int k = 0; k < BLOCK; k++) {
             const __m256 xk = _mm256_broadcast_ss(x + k);
             STRIPS8(Q8_STEP)
@@ -427,15 +431,7 @@ static void row_product(
 static inline __attribute__((always_inline)) void rows_q4_1(
     const int R, const int S, const float *x, int64_t K, const uint8_t *bytes, const float *sc, float *acc) {
     RS_EACH(RS_LOAD)
-    const __m256i low_nibble = _mm256_set1_epi32(0x0F);
-#define Q4_W(s)                                                                                      \
-    __m256 w##s = _mm256_setzero_ps();                                                               \
-    if (S > (s)) {                                                                                   \
-        __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + (s) * 128 + 8 * j))); \
-        q = high ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, low_nibble);                      \
-        w##s = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(sc + (s) * 16)),  \
-                             _mm256_loadu_ps(sc + (s) * 16 + LANES));                               \
-    }
+#define Q4_W(s) const __m256 w##s = S > (s) ? q4_1_column(bytes + (s) * 128, sc + (s) * 16, high, j) : _mm256_setzero_ps();
     for (int high = 0; high < 2; high++)
         for (int j = 0; j < BLOCK / 2; j++) {
             const int k = 16 * high + j;
@@ -449,12 +445,7 @@ static inline __attribute__((always_inline)) void rows_q4_1(
 static inline __attribute__((always_inline)) void rows_q8_0(
     const int R, const int S, const float *x, int64_t K, const uint8_t *bytes, const float *sc, float *acc) {
     RS_EACH(RS_LOAD)
-#define Q8_W(s)                                                                                        \
-    __m256 w##s = _mm256_setzero_ps();                                                                 \
-    if (S > (s)) {                                                                                     \
-        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + (s) * 256 + 8 * k))); \
-        w##s = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(sc + (s) * LANES));               \
-    }
+#define Q8_W(s) const __m256 w##s = S > (s) ? q8_0_column(bytes + (s) * 256, sc + (s) * LANES, k) : _mm256_setzero_ps();
     for (int k = 0; k < BLOCK; k++) {
         Q8_W(0) Q8_W(1) Q8_W(2) Q8_W(3)
         RS_EACH(RS_FMA)
