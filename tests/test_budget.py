@@ -141,6 +141,13 @@ def test_costs_are_interpolated_between_buckets_and_follow_new_measurements() ->
     assert bucket(17) == 20 and bucket(65) == 80 and bucket(16) == 16
 
 
+def test_every_row_inside_a_coarse_bucket_costs_something() -> None:
+    # 17..20 rows share a bucket: priced as one, the plan and the chain's
+    # worth saw the rows after the 17th as free.
+    costs = RunningCosts({16: 32.0, 20: 40.0})
+    assert [costs.predict(r) for r in (17, 18, 19, 20)] == pytest.approx([34.0, 36.0, 38.0, 40.0])
+
+
 def test_a_busy_moment_cannot_price_a_width_out_of_the_plans() -> None:
     costs = RunningCosts({1: 1.0, 2: 50.0, 4: 4.0, 8: 400.0})
     assert costs.predict(2) <= 2.0  # no dearer per row than one row

@@ -9,8 +9,9 @@ Contract:
   tests: a fake model that advances a fake clock by the cost it is told to
   have makes the whole budget deterministic).
 - ``verify`` holds one running estimate per row-count bucket (exact up to
-  16 rows, then coarser, ``bucket``). A row count between measured buckets is
-  interpolated linearly between its neighbours; beyond the widest it is
+  16 rows, then coarser, ``bucket``). A row count between measured buckets,
+  or inside one, is interpolated linearly between its neighbours by its own
+  count, so no row of a wide verify is priced as free; beyond the widest it is
   extrapolated along the cost of the last measured row, and below the
   narrowest it costs what the narrowest does. A bucket measured again moves
   by ``ALPHA`` towards the new figure, so the estimate follows the context
@@ -103,20 +104,20 @@ class RunningCosts:
         keys, costs = self._keys, self._monotone
         if not keys:
             return 0.0
-        key = bucket(rows)
-        at = bisect.bisect_left(keys, key)
-        if at < len(keys) and keys[at] == key:
-            return costs[key]
+        rows = max(rows, 1)
+        at = bisect.bisect_left(keys, rows)
+        if at < len(keys) and keys[at] == rows:
+            return costs[rows]
         if at == 0:
             return costs[keys[0]]
         if at == len(keys):
             last = keys[-1]
             if len(keys) == 1:
-                return costs[last] * key / last
+                return costs[last] * rows / last
             slope = max((costs[last] - costs[keys[-2]]) / (last - keys[-2]), 0.0)
-            return costs[last] + slope * (key - last)
+            return costs[last] + slope * (rows - last)
         lo, hi = keys[at - 1], keys[at]
-        return costs[lo] + (costs[hi] - costs[lo]) * (key - lo) / (hi - lo)
+        return costs[lo] + (costs[hi] - costs[lo]) * (rows - lo) / (hi - lo)
 
     def table(self) -> dict[int, float]:
         """Bucket -> predicted seconds, in bucket order."""
