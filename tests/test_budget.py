@@ -148,6 +148,30 @@ def test_every_row_inside_a_coarse_bucket_costs_something() -> None:
     assert [costs.predict(r) for r in (17, 18, 19, 20)] == pytest.approx([34.0, 36.0, 38.0, 40.0])
 
 
+def test_wide_verifies_are_priced_by_one_line_so_equal_neighbours_leave_no_row_free() -> None:
+    # 20 and 24 rows measured alike (a noisy moment): bucket to bucket, rows
+    # 21-24 were free to the plan. One line through 16 rows prices them all.
+    costs = RunningCosts({16: 32.0, 20: 40.0, 24: 40.0, 32: 56.0})
+    slope = (4 * 8 + 8 * 8 + 16 * 24) / (4**2 + 8**2 + 16**2)  # least squares through (16, 32)
+    assert costs.predict(16) == 32.0
+    assert [costs.predict(r) for r in (17, 24, 40)] == pytest.approx(
+        [32.0 + slope, 32.0 + 8 * slope, 32.0 + 24 * slope]
+    )
+    assert costs.table()[24] == pytest.approx(32.0 + 8 * slope)
+
+
+def test_a_wide_bucket_is_placed_at_the_rows_it_measured() -> None:
+    costs = RunningCosts({16: 32.0})
+    for _ in range(40):
+        costs.observe(17, 34.0)  # bucket 20, always at 17 rows: 2 a row
+    assert costs.predict(18) == pytest.approx(36.0, rel=1e-3)
+    # Never dearer per row than 16 rows, never cheaper than 16 rows in all.
+    steep = RunningCosts({16: 32.0, 20: 400.0})
+    assert steep.predict(32) == pytest.approx(64.0)
+    flat = RunningCosts({16: 32.0, 20: 10.0})  # repaired down to 10 at 16 rows, slope 0
+    assert flat.predict(20) == pytest.approx(flat.predict(16)) == pytest.approx(10.0)
+
+
 def test_a_busy_moment_cannot_price_a_width_out_of_the_plans() -> None:
     costs = RunningCosts({1: 1.0, 2: 50.0, 4: 4.0, 8: 400.0})
     assert costs.predict(2) <= 2.0  # no dearer per row than one row

@@ -9,13 +9,19 @@ Contract:
   tests: a fake model that advances a fake clock by the cost it is told to
   have makes the whole budget deterministic).
 - ``verify`` holds one running estimate per row-count bucket (exact up to
-  16 rows, then coarser, ``bucket``). A row count between measured buckets,
-  or inside one, is interpolated linearly between its neighbours by its own
-  count, so no row of a wide verify is priced as free; beyond the widest it is
-  extrapolated along the cost of the last measured row, and below the
-  narrowest it costs what the narrowest does. A bucket measured again moves
-  by ``ALPHA`` towards the new figure, so the estimate follows the context
-  growing and the machine getting busier.
+  16 rows, then coarser, ``bucket``). Up to 16 rows a count between measured
+  buckets is interpolated linearly between its neighbours; beyond the widest
+  measured it is extrapolated along the cost of the last measured row, and
+  below the narrowest it costs what the narrowest does. Above 16 rows (a batch's
+  verify with drafts) it is read off one straight line fitted through the
+  16-row bucket and every wider one: each coarse bucket holds the mean row
+  count it saw as well as its time, and a line through those points prices
+  every row alike. Interpolating bucket to bucket priced some rows as free:
+  two neighbouring buckets measured on a noisy moment often come out equal
+  (a 24-row verify as cheap as a 20-row one), and the plan then took rows
+  21-24 for nothing. A bucket measured again moves by ``ALPHA`` towards the
+  new figure, so the estimate follows the context growing and the machine
+  getting busier.
 - ``head_s`` is the time of one MTP head forward by the rows it reads (one
   per drafting sequence), the same way; ``other_s`` the rest of a step
   (sampling, lookup, grammar, Python), one running figure.
@@ -44,6 +50,8 @@ SPIKE = 2.0
 # Calibration widths: the verify shapes a run meets most (1 sequence with
 # drafts, or a batch with up to 3 drafts each).
 CALIBRATION_ROWS = (1, 2, 3, 4, 8, 16, 32, 64)
+# Buckets are exact up to this many rows; wider verifies are priced by a line.
+FINE_ROWS = 16
 # A calibration is kept this many runs' worth of format changes apart.
 CACHE_FORMAT = 1
 
@@ -53,7 +61,7 @@ Clock = Callable[[], float]
 def bucket(rows: int) -> int:
     """The bucket a verify of ``rows`` rows is kept in: exact up to 16, then
     rounded up to a multiple of 4 up to 64, of 16 beyond."""
-    if rows <= 16:
+    if rows <= FINE_ROWS:
         return max(rows, 1)
     step = 4 if rows <= 64 else 16
     return -(-rows // step) * step
@@ -64,8 +72,11 @@ class RunningCosts:
 
     def __init__(self, initial: Mapping[int, float] | None = None) -> None:
         self._by_bucket: dict[int, float] = dict(initial or {})
+        # The mean row count each bucket measured (its key until it has).
+        self._rows: dict[int, float] = {k: float(k) for k in self._by_bucket}
         self._keys: list[int] = sorted(self._by_bucket)
         self._monotone: dict[int, float] = {}
+        self._line: tuple[float, float] | None = None  # (cost at FINE_ROWS, per row)
         self._repair()
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -76,10 +87,11 @@ class RunningCosts:
         key = bucket(rows)
         old = self._by_bucket.get(key)
         if old is None:
-            self._by_bucket[key] = seconds
+            self._by_bucket[key], self._rows[key] = seconds, float(rows)
             bisect.insort(self._keys, key)
         else:
             self._by_bucket[key] = old + ALPHA * (min(seconds, SPIKE * old) - old)
+            self._rows[key] += ALPHA * (rows - self._rows[key])
         self._repair()
 
     def _repair(self) -> None:
@@ -95,6 +107,27 @@ class RunningCosts:
         for key in reversed(self._keys):
             cheapest = min(cheapest, self._monotone[key])
             self._monotone[key] = cheapest
+        self._line = self._fit()
+
+    def _fit(self) -> tuple[float, float] | None:
+        """The line wide verifies are priced by (module doc): through the
+        16-row figure, with the slope that fits the wider buckets best (least
+        squares, at their mean row counts); no less than 0 and no more than
+        the 16-row figure's cost per row (the two facts ``_repair`` keeps).
+        None until a bucket beyond 16 rows has been measured."""
+        if FINE_ROWS not in self._by_bucket:
+            return None
+        start = self._monotone[FINE_ROWS]
+        wide = [
+            (self._rows[k] - FINE_ROWS, self._by_bucket[k] - start)
+            for k in self._keys
+            if k > FINE_ROWS
+        ]
+        spread = sum(x * x for x, _ in wide)
+        if spread <= 0:
+            return None
+        slope = sum(x * y for x, y in wide) / spread
+        return start, min(max(slope, 0.0), start / FINE_ROWS)
 
     def known(self) -> bool:
         return bool(self._keys)
@@ -105,6 +138,9 @@ class RunningCosts:
         if not keys:
             return 0.0
         rows = max(rows, 1)
+        if rows > FINE_ROWS and self._line is not None:
+            start, per_row = self._line
+            return start + per_row * (rows - FINE_ROWS)
         at = bisect.bisect_left(keys, rows)
         if at < len(keys) and keys[at] == rows:
             return costs[rows]
@@ -121,7 +157,7 @@ class RunningCosts:
 
     def table(self) -> dict[int, float]:
         """Bucket -> predicted seconds, in bucket order."""
-        return {k: self._monotone[k] for k in self._keys}
+        return {k: self.predict(k) for k in self._keys}
 
 
 class CostModel:
