@@ -543,7 +543,7 @@ class Engine:
             if budget is not None:
                 # A resting chain's rows wait; a drafting one takes them all.
                 own = budget.for_seq(seq)
-                if not budget.wants_chain(seq, running):
+                if not budget.wants_chain(seq):
                     own.hold(start, next_ids, rows)
                     continue
                 released = released or bool(own.held)
@@ -554,8 +554,11 @@ class Engine:
             began, forwards = self._clock(), self._drafter.forwards
             self._drafter.feed_and_draft(feeds, torch.cat(parts))
             ran = self._drafter.forwards - forwards
-            if self._budget is not None and ran and not released:
-                self._budget.costs.head.observe(len(feeds), (self._clock() - began) / ran)
+            if self._budget is not None:
+                took = self._clock() - began
+                self._budget.head_ran(len(feeds), took)
+                if ran and not released:
+                    self._budget.costs.head.observe(len(feeds), took / ran)
 
     def _finish(self, finished: list[SeqState]) -> list[Result]:
         results = []

@@ -19,6 +19,7 @@ from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine, calibration_key
 from metrale.engine.load.loader import load_model
 from metrale.engine.prompts import user_prompt_ids
+from metrale.engine.sequence import SeqState
 from metrale.engine.spec.budget import DraftBudget
 from metrale.engine.spec.copies import BATCHED_COPY_MAX
 from metrale.engine.spec.cost import CostCache, CostModel, RunningCosts, bucket
@@ -128,6 +129,23 @@ def test_the_chain_is_worth_its_gain_less_its_rows_time_over_the_best_other_choi
     assert budget._chain_worth([chain], (0, 2), plan) == pytest.approx(own)
     took_copy = Plan(((1, 1),), rows=2, tokens=1.5, seconds=0.013)
     assert budget._chain_worth([chain, copy], (1, 1), took_copy) == 0.0
+
+
+def test_the_chain_is_priced_at_the_head_time_each_sequence_it_fed_took() -> None:
+    budget = DraftBudget(CostModel(FakeClock()))
+    budget.rate_s = 100.0  # tokens/s: a ms of head time costs 0.1 token
+    request = Request("a", (1, 2, 3), SamplingParams(max_tokens=8))
+    seq = SeqState(request, 0, 64, frozenset(), None, None)
+    budget.for_seq(seq).chain_value = 0.05
+    for _ in range(20):
+        budget.head_ran(16, 0.004)
+    # 4 ms shared by 16: 0.025 token each, less than the chain's 0.05.
+    assert budget.wants_chain(seq)
+    for _ in range(20):
+        budget.head_ran(2, 0.002)
+    # Lately 1 ms for each sequence fed (0.1 token): the chain rests.
+    assert not budget.wants_chain(seq)
+    assert budget.for_seq(seq).since_chain == 1
 
 
 def test_costs_are_interpolated_between_buckets_and_follow_new_measurements() -> None:

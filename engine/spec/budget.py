@@ -70,15 +70,18 @@ SEQ_DECAY = 0.9
 # the draft's own confidence, which the average at its depth hides, so the
 # chain errs on the side of offering one draft too many.
 ROW_SHARE = 0.5
-# A chain worth less than its head forward rests: the head is fed the held
-# rows, all in one forward, and drafts again only after ``EXPLORE_EVERY``
-# steps (to learn whether the chain pays again; twice as long after each look
-# that finds it does not, up to ``EXPLORE_MAX``) or once ``HOLD_MAX`` rows wait.
+# A chain worth less than its share of the head's time (``wants_chain``)
+# rests: the head is fed the held rows, all in one forward, and drafts again
+# only after ``EXPLORE_EVERY`` steps (to learn whether the chain pays again;
+# twice as long after each look that finds it does not, up to
+# ``EXPLORE_MAX``) or once ``HOLD_MAX`` rows wait.
 VALUE_ALPHA = 0.2
 RUN_VALUE_ALPHA = 0.02
 EXPLORE_EVERY = 8
 EXPLORE_MAX = 64
 HOLD_MAX = 512
+# How fast a sequence's share of the head's time follows the latest forward.
+HEAD_SHARE_ALPHA = 0.2
 
 
 def confidence_bin(top_prob: float) -> int:
@@ -222,6 +225,9 @@ class DraftBudget:
         self.rate_s = 0.0  # tokens/s the last plan predicted
         self.marginal_s = 0.0  # one more verify row per sequence, per row
         self.chain_value = 1.0  # what the chain has added per sequence-step, run-wide
+        # Seconds the head's work after a verify took per sequence it fed, decayed.
+        self.head_share_s = 0.0
+        self._head_seen = False
         self._chosen: dict[str, Counter[int]] = {"mtp": Counter(), "copy": Counter()}
         self._none = 0
         self._predicted_s = self._measured_s = 0.0
@@ -297,13 +303,19 @@ class DraftBudget:
         budget.chain_value += VALUE_ALPHA * (value - budget.chain_value)
         self.chain_value += RUN_VALUE_ALPHA * (value - self.chain_value)
 
-    def wants_chain(self, seq: SeqState, live: int) -> bool:
+    def wants_chain(self, seq: SeqState) -> bool:
         """Whether the head drafts for ``seq`` after this verify: while the
-        chain is worth its head forward (in tokens at the current rate), on
-        every ``EXPLORE_EVERY``-th step, or when ``HOLD_MAX`` rows wait."""
+        chain is worth its share of the head's time (in tokens at the current
+        rate), on every ``EXPLORE_EVERY``-th step, or when ``HOLD_MAX`` rows
+        wait. The share is what the head's work after a verify has lately
+        cost per sequence it fed (``head_ran``): every forward of the chain's
+        positions and the held rows a resting chain hands over, shared by the
+        sequences that drafted, not by every one running. Priced as one
+        forward shared by all 16 of a batch, the head's work cost each
+        sequence a third to a quarter of what it took."""
         budget = self.for_seq(seq)
         budget.since_chain += 1
-        cost = self.rate_s * self.costs.head.predict(live) / max(live, 1)
+        cost = self.rate_s * self.head_share_s
         if budget.chain_value >= cost:
             budget.since_chain, budget.explore_every = 0, EXPLORE_EVERY
             return True
@@ -313,6 +325,14 @@ class DraftBudget:
             budget.explore_every = min(2 * budget.explore_every, EXPLORE_MAX)
             return True
         return False
+
+    def head_ran(self, feeds: int, seconds: float) -> None:
+        """The head's work after a verify fed ``feeds`` sequences in ``seconds``."""
+        share = seconds / max(feeds, 1)
+        if not self._head_seen:
+            self.head_share_s, self._head_seen = share, True
+        else:
+            self.head_share_s += HEAD_SHARE_ALPHA * (share - self.head_share_s)
 
     def _marginal(self, rows: int, seqs: int) -> float:
         step = max(seqs, 1)
