@@ -41,7 +41,7 @@ from metrale.engine.sampling import draw, make_generator, target_probs
 from metrale.engine.sequence import Decode, SeqState, error_result
 from metrale.engine.spec.acceptance import accept_greedy, accept_sampled
 from metrale.engine.spec.budget import DraftBudget
-from metrale.engine.spec.choose import Offer, score_offers, take_planned_drafts
+from metrale.engine.spec.choose import Offer, lines_ahead, score_offers, take_planned_drafts
 from metrale.engine.spec.constrained import (
     accept_constrained,
     check_drafts,
@@ -131,6 +131,7 @@ class Engine:
             self._max_len = min(self._max_len, self._drafter.max_len)
         self._free_slots = list(range(self._num_slots - 1, -1, -1))
         self._waiting: deque[Request] = deque()
+        self._stream_done = False  # the request stream has ended: no line will join
         self._prefilling: list[SeqState] = []
         self._decoding: list[SeqState] = []
         self._counters = RunCounters()
@@ -194,15 +195,15 @@ class Engine:
             self._publish()
 
     def _run(self, stream: Iterator[Request | None]) -> Iterator[Result]:
-        exhausted = False
+        self._stream_done = False
         while True:
             # Pull only what the free slots can take this step, so a huge
             # stream is read as it is consumed.
             idle_source = False
-            while not exhausted and len(self._waiting) < len(self._free_slots):
+            while not self._stream_done and len(self._waiting) < len(self._free_slots):
                 request = next(stream, _END)
                 if request is _END:
-                    exhausted = True
+                    self._stream_done = True
                     break
                 if request is None:
                     idle_source = True
@@ -217,7 +218,7 @@ class Engine:
                     continue
                 self._waiting.append(request)
             if not (self._waiting or self._prefilling or self._decoding):
-                if exhausted:
+                if self._stream_done:
                     return
                 if idle_source:
                     time.sleep(_IDLE_POLL_S)
@@ -270,7 +271,10 @@ class Engine:
             _truncate_drafts(seq, min(cap, seq.draft_capacity()))
         self._constrain(batch, lambda seq: take_forced(seq, forced))
         if budget is not None:
-            took, self._offers = take_planned_drafts(batch, budget, self._lookup, self._shared)
+            ahead = self._ahead(batch)
+            took, self._offers = take_planned_drafts(
+                batch, budget, self._lookup, self._shared, ahead
+            )
             return took
         mtp_drafting = self._has_mtp and cap > 0
         return take_rounds_with_copies(batch, self._lookup, self._shared, cap, mtp_drafting)
@@ -535,6 +539,7 @@ class Engine:
         feeds: list[DraftFeed] = []
         parts: list[torch.Tensor] = []
         released = False  # held rows fed: a forward dearer than a step's own
+        ahead = self._ahead(batch) if budget is not None else set()
         for seq, start, first in zip(batch, starts, first_rows, strict=True):
             if seq.finished:
                 continue
@@ -543,7 +548,7 @@ class Engine:
             if budget is not None:
                 # A resting chain's rows wait; a drafting one takes them all.
                 own = budget.for_seq(seq)
-                if not budget.wants_chain(seq):
+                if seq.slot in ahead or not budget.wants_chain(seq):
                     own.hold(start, next_ids, rows)
                     continue
                 released = released or bool(own.held)
@@ -559,6 +564,14 @@ class Engine:
                 self._budget.head_ran(len(feeds), took)
                 if ran and not released:
                     self._budget.costs.head.observe(len(feeds), took / ran)
+
+    def _ahead(self, batch: list[SeqState]) -> set[int]:
+        """The slots of the lines that draft nothing this step under the
+        budget: in a drain (the stream has ended and nothing waits), those
+        ahead of the run's last line (``spec/choose.py``, ``lines_ahead``)."""
+        if not self._stream_done or self._waiting:
+            return set()
+        return lines_ahead([s for s in batch if not s.finished], self._prefilling)
 
     def _finish(self, finished: list[SeqState]) -> list[Result]:
         results = []

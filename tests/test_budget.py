@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -318,6 +318,50 @@ def test_the_budget_grows_when_rows_are_nearly_free_and_shrinks_when_they_are_de
     # A draft pays a whole step's cost only when it is all but sure: the
     # module's most confident drafts, now and then.
     assert mean_drafts["dear"] < 0.25
+
+
+def drafts_by_slot(
+    engine: Engine, model: CostedModel, ends: bool
+) -> tuple[dict[str, list[int]], dict[int, list[int]]]:
+    """Decodes a 40-token line (slot 0) and an 8-token one (slot 1) from a
+    stream that ends after them (``ends``), or goes on idling; returns the
+    outputs and each slot's drafts per verify."""
+    reqs = [
+        Request("long", tuple(PROMPTS[0]), SamplingParams(max_tokens=40)),
+        Request("short", tuple(PROMPTS[1]), SamplingParams(max_tokens=8)),
+    ]
+
+    def stream() -> Iterator[Request | None]:
+        yield from reqs
+        while not ends:
+            yield None  # more may come: the run is not draining
+
+    outputs: dict[str, list[int]] = {}
+    for result in engine.generate(stream()):
+        outputs[result.request_id] = list(result.output_ids)
+        if len(outputs) == 2:
+            break
+    starts = {0: len(PROMPTS[0]), 1: len(PROMPTS[1])}
+    drafts: dict[int, list[int]] = {0: [], 1: []}
+    for forward in model.forwards:
+        for seg in forward:
+            if seg.start >= starts[seg.slot]:
+                drafts[seg.slot].append(len(seg.token_ids) - 1)
+    return outputs, drafts
+
+
+def test_in_a_drain_a_line_that_finishes_first_anyway_drafts_nothing() -> None:
+    for ends in (True, False):
+        engine, model = costed_engine("cpu", mtp_mode="right")
+        outputs, drafts = drafts_by_slot(engine, model, ends)
+        assert outputs["long"] == reference_greedy(model, PROMPTS[0], 40)
+        assert outputs["short"] == reference_greedy(model, PROMPTS[1], 8)
+        assert max(drafts[0]) == 3  # the line the run waits for drafts its chain
+        if ends:
+            # 8 tokens at most, against the long line's 40 at 4 a verify.
+            assert set(drafts[1]) == {0}
+        else:
+            assert max(drafts[1]) > 0  # while the stream runs, every token counts
 
 
 def test_the_cost_model_predicts_the_steps_it_measures() -> None:

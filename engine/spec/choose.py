@@ -18,6 +18,23 @@ Invariants (the fixed rule's, kept):
   accepted (``copies.drafter_accepted``): the rows were not its drafts.
 - A grammar's forced drafts are always verified, first; the chosen drafts
   follow them, and ``check_drafts`` then cuts at the first forbidden one.
+
+The drain: once the request stream has ended and nothing waits, the run
+ends when its last line does. A line that would finish before that line
+even if it drafted nothing more gains the wall time nothing by drafting:
+it still finishes first, and each row it takes is paid for now to save a
+row later. So ``lines_ahead`` names the lines whose tokens left to write
+(by ``max_tokens`` and slot room) are fewer than the steps the slowest line
+still needs: the most, over every line, of its tokens left over the tokens
+a verify has made it so far (a line still reading its prompt has made none
+and needs a step a token). Those draft nothing that step, and their chains
+rest, holding their rows, without looks; the others draft as the plan says.
+A line a token or two ahead of the others is not among them while drafts
+pay: stopping it would make it the last. A line that ends on its own (end
+of sequence, a stop string) cannot be told apart early; it counts as having
+its ``max_tokens`` left. While the stream runs (or requests wait) every
+token counts alike, as before. Whether a line drafts depends only on what
+was emitted before the step, never on a draw.
 """
 
 from __future__ import annotations
@@ -47,9 +64,11 @@ def take_planned_drafts(
     budget: DraftBudget,
     cfg: PromptLookupConfig | None,
     shared: SharedLookup | None,
+    ahead: set[int] | frozenset[int] = frozenset(),
 ) -> tuple[list[CopyTaken], list[Offer]]:
-    """Sets each sequence's drafts to the plan's choice (module doc). Runs
-    after ``take_forced`` and before ``check_drafts``."""
+    """Sets each sequence's drafts to the plan's choice (module doc); the
+    sequences whose slots are in ``ahead`` get none. Runs after
+    ``take_forced`` and before ``check_drafts``."""
     copies_on = cfg is not None and len(batch) <= cfg.max_seqs
     path_cap = copy_path_cap(cfg, len(batch)) if cfg is not None else 0
     candidates: list[Candidates] = []
@@ -61,7 +80,9 @@ def take_planned_drafts(
         own.chain_keys = own.chain_keys[offset : offset + len(seq.pending_drafts)]
         chain = list(seq.pending_drafts[: len(own.chain_keys)])
         copy = None
-        if copies_on and cfg is not None:
+        if seq.slot in ahead:
+            chain = []
+        elif copies_on and cfg is not None:
             copy = propose_copy(seq, cfg, shared, path_cap, 0)
         sure = 1 + len(seq.forced_drafts)
         candidates.append(Candidates(seq, sure, chain, copy or []))
@@ -82,6 +103,27 @@ def take_planned_drafts(
             seq.set_drafts(c.chain[:n], probs[:n] if probs is not None and n else None)
         offers.append(Offer(seq, source, n, c.chain, c.copy))
     return took, offers
+
+
+def lines_ahead(decoding: Sequence[SeqState], prefilling: Sequence[SeqState]) -> set[int]:
+    """The slots of the ``decoding`` lines that would finish before the
+    slowest line, ``prefilling`` ones included, without another draft
+    (module doc: the drain); none while a single line is left."""
+    lines = [*decoding, *prefilling]
+    if len(lines) < 2:
+        return set()
+    slowest = max(_tokens_left(s) / max(_tokens_a_verify(s), 1.0) for s in lines)
+    return {s.slot for s in decoding if _tokens_left(s) < slowest}
+
+
+def _tokens_a_verify(seq: SeqState) -> float:
+    stats = seq.stats
+    return stats.verify_tokens / stats.verifies if stats.verifies else 1.0
+
+
+def _tokens_left(seq: SeqState) -> int:
+    room = seq.max_len - max(seq.seq_len, seq.prompt_len)
+    return min(room, seq.request.params.max_tokens - len(seq.output_ids))
 
 
 def score_offers(
