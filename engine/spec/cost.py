@@ -12,11 +12,11 @@ Contract:
   16 rows, then coarser, ``bucket``). Up to 16 rows a count between measured
   buckets is interpolated linearly between its neighbours; beyond the widest
   measured it is extrapolated along the cost of the last measured row, and
-  below the narrowest it costs what the narrowest does. Above 16 rows (a batch's
-  verify with drafts) it is read off one straight line fitted through the
-  16-row bucket and every wider one: each coarse bucket holds the mean row
-  count it saw as well as its time, and a line through those points prices
-  every row alike. Interpolating bucket to bucket priced some rows as free:
+  below the narrowest it costs what the narrowest does. Above 16 rows (a
+  batch's verify with drafts) it is read off one straight line fitted
+  through the 16-row bucket and every wider one: each coarse bucket holds
+  the mean row count it saw as well as its time, and a line through those
+  points prices every row alike. Interpolating bucket to bucket priced some rows as free:
   two neighbouring buckets measured on a noisy moment often come out equal
   (a 24-row verify as cheap as a 20-row one), and the plan then took rows
   21-24 for nothing. A bucket measured again moves by ``ALPHA`` towards the
