@@ -548,7 +548,7 @@ class Engine:
             if budget is not None:
                 # A resting chain's rows wait; a drafting one takes them all.
                 own = budget.for_seq(seq)
-                if seq.slot in ahead or not budget.wants_chain(seq):
+                if not budget.wants_chain(seq, running, seq.slot in ahead):
                     own.hold(start, next_ids, rows)
                     continue
                 released = released or bool(own.held)
@@ -560,10 +560,9 @@ class Engine:
             self._drafter.feed_and_draft(feeds, torch.cat(parts))
             ran = self._drafter.forwards - forwards
             if self._budget is not None:
-                took = self._clock() - began
-                self._budget.head_ran(len(feeds), took)
+                self._budget.head_fed(len(feeds))
                 if ran and not released:
-                    self._budget.costs.head.observe(len(feeds), took / ran)
+                    self._budget.costs.head.observe(len(feeds), (self._clock() - began) / ran)
 
     def _ahead(self, batch: list[SeqState]) -> set[int]:
         """The slots of the lines that draft nothing this step under the

@@ -131,21 +131,27 @@ def test_the_chain_is_worth_its_gain_less_its_rows_time_over_the_best_other_choi
     assert budget._chain_worth([chain, copy], (1, 1), took_copy) == 0.0
 
 
-def test_the_chain_is_priced_at_the_head_time_each_sequence_it_fed_took() -> None:
-    budget = DraftBudget(CostModel(FakeClock()))
-    budget.rate_s = 100.0  # tokens/s: a ms of head time costs 0.1 token
+def test_a_head_forward_is_priced_as_shared_by_the_sequences_it_has_been_feeding() -> None:
+    costs = CostModel(FakeClock())
+    costs.head.observe(1, 0.001)
+    costs.head.observe(16, 0.004)
+    budget = DraftBudget(costs)
+    budget.rate_s = 100.0  # tokens/s: a ms of head forward costs 0.1 token
     request = Request("a", (1, 2, 3), SamplingParams(max_tokens=8))
     seq = SeqState(request, 0, 64, frozenset(), None, None)
     budget.for_seq(seq).chain_value = 0.05
     for _ in range(20):
-        budget.head_ran(16, 0.004)
-    # 4 ms shared by 16: 0.025 token each, less than the chain's 0.05.
-    assert budget.wants_chain(seq)
+        budget.head_fed(16)
+    # Shared by 16: 4 ms / 16 = 0.025 token each, less than the chain's 0.05.
+    assert budget.wants_chain(seq, 16)
     for _ in range(20):
-        budget.head_ran(2, 0.002)
-    # Lately 1 ms for each sequence fed (0.1 token): the chain rests.
-    assert not budget.wants_chain(seq)
+        budget.head_fed(1)
+    # Fed alone lately: the whole 1 ms (0.1 token) is its own; the chain rests.
+    assert not budget.wants_chain(seq, 16)
     assert budget.for_seq(seq).since_chain == 1
+    # A line ahead in a drain rests whatever its chain is worth.
+    budget.for_seq(seq).chain_value = 10.0
+    assert not budget.wants_chain(seq, 16, ahead=True)
 
 
 def test_costs_are_interpolated_between_buckets_and_follow_new_measurements() -> None:

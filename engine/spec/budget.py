@@ -80,8 +80,8 @@ RUN_VALUE_ALPHA = 0.02
 EXPLORE_EVERY = 8
 EXPLORE_MAX = 64
 HOLD_MAX = 512
-# How fast a sequence's share of the head's time follows the latest forward.
-HEAD_SHARE_ALPHA = 0.2
+# How fast the count of sequences a head forward feeds follows the latest.
+SHARERS_ALPHA = 0.2
 
 
 def confidence_bin(top_prob: float) -> int:
@@ -225,9 +225,7 @@ class DraftBudget:
         self.rate_s = 0.0  # tokens/s the last plan predicted
         self.marginal_s = 0.0  # one more verify row per sequence, per row
         self.chain_value = 1.0  # what the chain has added per sequence-step, run-wide
-        # Seconds the head's work after a verify took per sequence it fed, decayed.
-        self.head_share_s = 0.0
-        self._head_seen = False
+        self.sharers = 1.0  # sequences a head forward after a verify feeds, decayed
         self._chosen: dict[str, Counter[int]] = {"mtp": Counter(), "copy": Counter()}
         self._none = 0
         self._predicted_s = self._measured_s = 0.0
@@ -303,19 +301,23 @@ class DraftBudget:
         budget.chain_value += VALUE_ALPHA * (value - budget.chain_value)
         self.chain_value += RUN_VALUE_ALPHA * (value - self.chain_value)
 
-    def wants_chain(self, seq: SeqState) -> bool:
+    def wants_chain(self, seq: SeqState, live: int, ahead: bool = False) -> bool:
         """Whether the head drafts for ``seq`` after this verify: while the
-        chain is worth its share of the head's time (in tokens at the current
-        rate), on every ``EXPLORE_EVERY``-th step, or when ``HOLD_MAX`` rows
-        wait. The share is what the head's work after a verify has lately
-        cost per sequence it fed (``head_ran``): every forward of the chain's
-        positions and the held rows a resting chain hands over, shared by the
-        sequences that drafted, not by every one running. Priced as one
-        forward shared by all 16 of a batch, the head's work cost each
-        sequence a third to a quarter of what it took."""
+        chain is worth its share of the head forward (in tokens at the
+        current rate), on every ``EXPLORE_EVERY``-th step, or when
+        ``HOLD_MAX`` rows wait. The forward is shared by as many sequences as
+        it has lately fed (``head_fed``), not by every one running: priced as
+        shared by all 16 of a batch, a forward that fed 1 to 7 of them cost
+        each three to four times what the plan charged. (Further positions
+        of the chain pay their own forwards, ``deeper``.) A line ``ahead`` in
+        a drain (``choose.lines_ahead``) drafts nothing, so its chain rests
+        without looks until ``HOLD_MAX`` rows wait."""
         budget = self.for_seq(seq)
+        if ahead and budget.held_rows() < HOLD_MAX:
+            return False
         budget.since_chain += 1
-        cost = self.rate_s * self.head_share_s
+        sharing = min(max(round(self.sharers), 1), max(live, 1))
+        cost = self.rate_s * self.costs.head.predict(sharing) / sharing
         if budget.chain_value >= cost:
             budget.since_chain, budget.explore_every = 0, EXPLORE_EVERY
             return True
@@ -326,13 +328,9 @@ class DraftBudget:
             return True
         return False
 
-    def head_ran(self, feeds: int, seconds: float) -> None:
-        """The head's work after a verify fed ``feeds`` sequences in ``seconds``."""
-        share = seconds / max(feeds, 1)
-        if not self._head_seen:
-            self.head_share_s, self._head_seen = share, True
-        else:
-            self.head_share_s += HEAD_SHARE_ALPHA * (share - self.head_share_s)
+    def head_fed(self, feeds: int) -> None:
+        """A head forward after a verify fed ``feeds`` sequences."""
+        self.sharers += SHARERS_ALPHA * (feeds - self.sharers)
 
     def _marginal(self, rows: int, seqs: int) -> float:
         step = max(seqs, 1)
