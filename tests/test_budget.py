@@ -27,6 +27,7 @@ from metrale.engine.spec.plan import Plan, best_plan
 from metrale.lookup import PromptLookupConfig
 from tests.checkpoints import write_tiny_checkpoint
 from tests.fake_model import CostedModel, CostedMtp, FakeClock, FakeModel, FakeMtp, reference_greedy
+from tests.test_engine import check_figures_add_up
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -368,6 +369,12 @@ def test_in_a_drain_a_line_that_finishes_first_anyway_drafts_nothing() -> None:
             assert set(drafts[1]) == {0}
         else:
             assert max(drafts[1]) > 0  # while the stream runs, every token counts
+
+
+def test_the_figures_add_up_under_the_budget() -> None:
+    engine, _ = costed_engine("cpu", mtp_mode="mixed", lookup=LOOKUP)
+    reqs = [Request(str(i), tuple(p), SamplingParams(max_tokens=40)) for i, p in enumerate(PROMPTS)]
+    check_figures_add_up(engine, list(engine.generate(reqs)))
 
 
 def test_the_cost_model_predicts_the_steps_it_measures() -> None:
