@@ -16,12 +16,12 @@ Contract:
   batch's verify with drafts) it is read off one straight line fitted
   through the 16-row bucket and every wider one: each coarse bucket holds
   the mean row count it saw as well as its time, and a line through those
-  points prices every row alike. Interpolating bucket to bucket priced some rows as free:
-  two neighbouring buckets measured on a noisy moment often come out equal
-  (a 24-row verify as cheap as a 20-row one), and the plan then took rows
-  21-24 for nothing. A bucket measured again moves by ``ALPHA`` towards the
-  new figure, so the estimate follows the context growing and the machine
-  getting busier.
+  points prices every row alike. Interpolating bucket to bucket priced some
+  rows as free: two neighbouring buckets measured on a noisy moment often
+  come out equal (a 24-row verify as cheap as a 20-row one), and the plan
+  then took rows 21-24 for nothing. A bucket measured again moves by
+  ``ALPHA`` towards the new figure, so the estimate follows the context
+  growing and the machine getting busier.
 - ``head_s`` is the time of one MTP head forward by the rows it reads (one
   per drafting sequence), the same way; ``other_s`` the rest of a step
   (sampling, lookup, grammar, Python), one running figure.
