@@ -30,9 +30,10 @@ from metrale.engine.config import EngineConfig, MtpLadder
 from metrale.engine.engine import Engine
 from metrale.engine.sampling import target_probs
 from metrale.engine.spec import constrained
+from metrale.engine.spec.cost import CostModel
 from metrale.engine.stats import EngineStats
 from metrale.lookup import PromptLookupConfig
-from tests.fake_model import FakeModel, FakeMtp
+from tests.fake_model import CostedModel, FakeClock, FakeModel, FakeMtp, nearly_free_rows
 from tests.grammar_fakes import Vocabulary
 from tests.test_sampling_parity import chi_square, critical_value
 
@@ -61,8 +62,18 @@ def allowed(grammar: Grammar, output: Outcome) -> set[int]:
     return {B, C} if waiting else {A, C} | ({EOS} if output else set())
 
 
-def model() -> FakeModel:
-    return FakeModel(vocab=VOCAB.size, num_slots=16, scale=1.0, seed=3)
+def model(clock: FakeClock | None = None) -> FakeModel:
+    """The rule; on ``clock``, with verify rows nearly free beside the step."""
+    if clock is None:
+        return FakeModel(vocab=VOCAB.size, num_slots=16, scale=1.0, seed=3)
+    return CostedModel(
+        vocab=VOCAB.size,
+        num_slots=16,
+        scale=1.0,
+        seed=3,
+        clock=clock,
+        cost=nearly_free_rows,
+    )
 
 
 def exact_distribution(grammar: Grammar, params: SamplingParams = PARAMS) -> dict[Outcome, float]:
@@ -87,7 +98,12 @@ def exact_distribution(grammar: Grammar, params: SamplingParams = PARAMS) -> dic
 def sample(
     grammar: Grammar, speculate: bool, copies: bool = True, policy: str = "auto"
 ) -> tuple[Counter[Outcome], EngineStats]:
-    fake = model()
+    # Under auto, on a fake clock where rows are nearly free, so that the plan
+    # verifies chains and copies whatever this machine's timings: on the wall
+    # clock this fake's rows cost as much as its steps, and the budget rightly
+    # verified no MTP draft at all.
+    clock = FakeClock() if policy == "auto" else None
+    fake = model(clock)
     config = EngineConfig(
         max_batch=16,
         draft_policy=policy,
@@ -99,7 +115,10 @@ def sample(
         forced_drafts=speculate,
     )
     mtp = [FakeMtp(fake, "noisy")] if speculate else []
-    engine = Engine(fake, None, config, mtp=mtp, eos_token_ids=(EOS,), grammars=VOCAB.compiler())
+    costs = CostModel(clock) if clock is not None else None
+    engine = Engine(
+        fake, None, config, mtp=mtp, eos_token_ids=(EOS,), grammars=VOCAB.compiler(), costs=costs
+    )
     params = [SamplingParams(**{**PARAMS.__dict__, "seed": seed}) for seed in range(TRIALS)]
     stream = (Request(str(i), PROMPT, p, grammar=grammar) for i, p in enumerate(params))
     counts = Counter(tuple(r.output_ids) for r in engine.generate(stream))
