@@ -40,7 +40,7 @@ from metrale.engine.runtime.model import Model, MtpModule, Segment
 from metrale.engine.sampling import draw, make_generator, target_probs
 from metrale.engine.sequence import Decode, SeqState, error_result
 from metrale.engine.spec.acceptance import accept_greedy, accept_sampled
-from metrale.engine.spec.budget import DraftBudget
+from metrale.engine.spec.budget import HOLD_MAX, DraftBudget
 from metrale.engine.spec.choose import Offer, lines_ahead, score_offers, take_planned_drafts
 from metrale.engine.spec.constrained import (
     accept_constrained,
@@ -354,6 +354,7 @@ class Engine:
         self._counters.prefills += 1
         feeds: list[DraftFeed] = []
         rows: list[int] = []
+        parts: list[torch.Tensor] = []  # the host's feeds' hidden rows, in order
         done: list[SeqState] = []
         at = 0
         for row, (seq, seg) in enumerate(zip(chunked, segments, strict=True)):
@@ -375,21 +376,46 @@ class Engine:
                 # Position p gets token p+1: the next prompt token, or the
                 # sampled first token at the prompt's last position.
                 next_ids = seq.history[start + 1 : seq.seq_len + 1]
-                num_drafts = self._chain_len(seq, len(self._decoding)) if complete else 0
-                feeds.append(DraftFeed(seq, start, next_ids, num_drafts))
-                rows.extend(range(at, at + fed))
+                feed = self._prompt_feed(seq, start, next_ids, out.hidden[at : at + fed], complete)
+                if feed is not None:
+                    feeds.append(feed[0])
+                    parts.append(feed[1])
             at += fed
-        if feeds:
+        if feeds and self._device is not None:
             index = torch.tensor(rows, dtype=torch.long, device=out.hidden.device)
-            if self._device is not None:
-                self._device.feed_prompt(
-                    [Segment(f.seq.slot, f.start, f.next_ids) for f in feeds], out.hidden[index]
-                )
-            else:
-                assert self._drafter is not None
-                self._drafter.feed_and_draft(feeds, out.hidden[index])
+            self._device.feed_prompt(
+                [Segment(f.seq.slot, f.start, f.next_ids) for f in feeds], out.hidden[index]
+            )
+        elif feeds:
+            assert self._drafter is not None
+            self._drafter.feed_and_draft(feeds, torch.cat(parts))
         self._spent.prefill_s = self._clock() - began
         return done
+
+    def _prompt_feed(
+        self,
+        seq: SeqState,
+        start: int,
+        next_ids: list[int],
+        rows: torch.Tensor,  # [len(next_ids), hidden_size] of this chunk
+        complete: bool,
+    ) -> tuple[DraftFeed, torch.Tensor] | None:
+        """A prefill chunk's feed to the MTP modules on the host, drafting once
+        the prompt is complete; None while its rows wait. Under the budget a
+        prompt of up to ``HOLD_MAX`` tokens is held until the chain first
+        drafts (``DraftBudget.wants_chain``): where drafts do not pay (a
+        batch of 16 on a CPU), the head never reads the prompts of the
+        sequences whose chains never run."""
+        budget = self._budget
+        if budget is not None and seq.prompt_len <= HOLD_MAX:
+            own = budget.for_seq(seq)
+            running = sum(1 for s in self._decoding if not s.finished)
+            if not complete or not budget.wants_chain(seq, max(running, 1)):
+                own.hold(start, next_ids, rows)
+                return None
+            start, next_ids, rows = own.release(start, next_ids, rows)
+        num_drafts = self._chain_len(seq, len(self._decoding)) if complete else 0
+        return DraftFeed(seq, start, next_ids, num_drafts), rows
 
     def _verify(self, batch: list[SeqState]) -> tuple[torch.Tensor, list[int]]:
         """One forward over every sequence's ``[last_token] + drafts``; emits

@@ -20,7 +20,7 @@ from metrale.engine.engine import Engine, calibration_key
 from metrale.engine.load.loader import load_model
 from metrale.engine.prompts import user_prompt_ids
 from metrale.engine.sequence import SeqState
-from metrale.engine.spec.budget import DraftBudget
+from metrale.engine.spec.budget import Candidates, DraftBudget
 from metrale.engine.spec.copies import BATCHED_COPY_MAX
 from metrale.engine.spec.cost import CostCache, CostModel, RunningCosts, bucket
 from metrale.engine.spec.plan import Plan, best_plan
@@ -153,6 +153,53 @@ def test_a_head_forward_is_priced_as_shared_by_the_sequences_it_has_been_feeding
     # A line ahead in a drain rests whatever its chain is worth.
     budget.for_seq(seq).chain_value = 10.0
     assert not budget.wants_chain(seq, 16, ahead=True)
+
+
+def test_resting_chains_look_in_the_same_step() -> None:
+    costs = CostModel(FakeClock())
+    costs.head.observe(1, 0.001)
+    budget = DraftBudget(costs)
+    seqs = [
+        SeqState(
+            Request(str(i), (1, 2, 3), SamplingParams(max_tokens=64)),
+            i,
+            128,
+            frozenset(),
+            None,
+            None,
+        )
+        for i in range(2)
+    ]
+    looks: dict[int, list[int]] = {0: [], 1: []}
+    for step in range(1, 41):
+        budget.plan([Candidates(seq, 1, [], []) for seq in seqs])
+        budget.rate_s = 100.0  # a head forward of 1 ms costs 0.1 token
+        for seq in seqs:
+            # Slot 0's chain stops paying at step 1, slot 1's at step 5.
+            budget.for_seq(seq).chain_value = 1.0 if step < 1 + 5 * seq.slot else 0.0
+            if budget.wants_chain(seq, 2) and budget.for_seq(seq).chain_value == 0.0:
+                looks[seq.slot].append(step)
+    # Stopped five steps apart, they look on one step (one head forward) from
+    # their second look on, and each looks half as often as before.
+    assert looks[0] == [8, 16, 32]
+    assert looks[1] == [16, 32]
+
+
+def test_where_drafts_do_not_pay_the_head_reads_few_prompts() -> None:
+    read = {}
+    for cost in ("free", "dear"):
+        engine, model = costed_engine(cost, mtp_mode="wrong")
+        prompts = [p * 2 for p in PROMPTS]
+        assert generate(engine, prompts) == [reference_greedy(model, p, 40) for p in prompts]
+        assert engine._drafter is not None
+        head = engine._drafter.modules[0]
+        assert isinstance(head, CostedMtp)
+        read[cost] = {s.slot for segments, _ in head.forwards for s in segments if s.start == 0}
+    # Rows nearly free: every chain drafts from its first step, prompt first.
+    assert read["free"] == {0, 1, 2, 3}
+    # A row as dear as a step: a chain not valued yet rests from the start,
+    # holding its prompt; one sequence a look scouts (steps 8, 16 and 32 of 40).
+    assert len(read["dear"]) <= 3
 
 
 def test_costs_are_interpolated_between_buckets_and_follow_new_measurements() -> None:

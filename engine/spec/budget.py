@@ -71,10 +71,11 @@ SEQ_DECAY = 0.9
 # chain errs on the side of offering one draft too many.
 ROW_SHARE = 0.5
 # A chain worth less than its share of the head's time (``wants_chain``)
-# rests: the head is fed the held rows, all in one forward, and drafts again
-# only after ``EXPLORE_EVERY`` steps (to learn whether the chain pays again;
-# twice as long after each look that finds it does not, up to
-# ``EXPLORE_MAX``) or once ``HOLD_MAX`` rows wait.
+# rests, holding its rows (its prompt's too, when it rests from the start);
+# the head is fed them all in one forward when it drafts again: on a look,
+# about every ``EXPLORE_EVERY`` steps (to learn whether the chain pays again;
+# twice as far apart after each look that finds it does not, up to
+# ``EXPLORE_MAX``), or once ``HOLD_MAX`` rows wait.
 VALUE_ALPHA = 0.2
 RUN_VALUE_ALPHA = 0.02
 EXPLORE_EVERY = 8
@@ -134,8 +135,9 @@ class SeqBudget:
     chain_keys: list[Key] = field(default_factory=list)  # one per MTP draft, in order
     chain_odds: float = 1.0  # the chance every chain draft so far is accepted
     # Expected tokens a step the chain added over the other source: decayed
-    # over the steps whose plan could choose it; at first, the run's figure.
-    chain_value: float = 1.0
+    # over the steps whose plan could choose it; None until one has (the
+    # run's figure stands in, ``DraftBudget.base_value``).
+    chain_value: float | None = None
     since_chain: int = 0  # steps since the chain last drafted
     explore_every: int = EXPLORE_EVERY  # steps between looks while it rests
     held: list[tuple[int, list[int], torch.Tensor]] = field(default_factory=list)
@@ -224,22 +226,42 @@ class DraftBudget:
         self.rates = Rates(RUN_DECAY, RUN_STRENGTH)
         self.rate_s = 0.0  # tokens/s the last plan predicted
         self.marginal_s = 0.0  # one more verify row per sequence, per row
-        self.chain_value = 1.0  # what the chain has added per sequence-step, run-wide
+        # What the chain has added per sequence-step, run-wide; None until a
+        # plan could choose it (``base_value``).
+        self.chain_value: float | None = None
         self.sharers = 1.0  # sequences a head forward after a verify feeds, decayed
         self._chosen: dict[str, Counter[int]] = {"mtp": Counter(), "copy": Counter()}
         self._none = 0
         self._predicted_s = self._measured_s = 0.0
         self._steps = 0
+        self._planned = 0  # plans made: the clock looks keep (``wants_chain``)
+        self._scout_every = EXPLORE_EVERY  # steps between looks of chains not valued
+        self._scouted = -1  # the plan count of the last such look
         self._plan: Plan | None = None
 
     def for_seq(self, seq: SeqState) -> SeqBudget:
-        """A sequence's budget; a new one starts from what the chain has been
-        worth to the run so far."""
+        """A sequence's budget; until its chain is valued, the run's figure
+        stands for it (``base_value``)."""
         if seq.budget is None:
-            seq.budget = SeqBudget(
-                Rates(SEQ_DECAY, SEQ_STRENGTH, self.rates), chain_value=self.chain_value
-            )
+            seq.budget = SeqBudget(Rates(SEQ_DECAY, SEQ_STRENGTH, self.rates))
         return seq.budget
+
+    def base_value(self, live: int = 1) -> float:
+        """What a chain not valued yet is believed to add a step: what chains
+        have added to the run, or before any was valued, its first draft at
+        the run's acceptance less the time of that draft's verify row at the
+        current rate (the plan's own pricing of it; before the first plan, at
+        the rate of a step of ``live`` rows). A fixed optimistic start
+        (a token a step, as before) ran every chain of a 16-sequence batch,
+        prompt feed included, for ten steps before its worth decayed below
+        the head's share, where a first draft is worth less than its row."""
+        if self.chain_value is not None:
+            return self.chain_value
+        rate, marginal = self.rate_s, self.marginal_s
+        if not self._planned:  # before the first plan: a step of ``live`` rows
+            rate = live / self.costs.step_s(live)
+            marginal = self._marginal(live, live)
+        return self.rates.rate(("mtp", 0)) - rate * marginal
 
     # -- the plan -------------------------------------------------------------
 
@@ -261,6 +283,7 @@ class DraftBudget:
         sure = sum(c.sure_rows for c in candidates)
         plan = best_plan(sure, float(sure), options, self.costs.step_s)
         self._plan = plan
+        self._planned += 1
         self.rate_s = plan.rate
         self.marginal_s = self._marginal(plan.rows, len(candidates))
         for c, opts, names, choice in zip(candidates, options, sources, plan.choices, strict=True):
@@ -298,35 +321,62 @@ class DraftBudget:
         """Follows what the chain adds a step (``_chain_worth``), per
         sequence and run-wide."""
         budget = self.for_seq(seq)
-        budget.chain_value += VALUE_ALPHA * (value - budget.chain_value)
-        self.chain_value += RUN_VALUE_ALPHA * (value - self.chain_value)
+        run = self.base_value()
+        own = budget.chain_value if budget.chain_value is not None else run
+        budget.chain_value = own + VALUE_ALPHA * (value - own)
+        self.chain_value = run + RUN_VALUE_ALPHA * (value - run)
 
     def wants_chain(self, seq: SeqState, live: int, ahead: bool = False) -> bool:
         """Whether the head drafts for ``seq`` after this verify: while the
         chain is worth its share of the head forward (in tokens at the
-        current rate), on every ``EXPLORE_EVERY``-th step, or when
-        ``HOLD_MAX`` rows wait. The forward is shared by as many sequences as
-        it has lately fed (``head_fed``), not by every one running: priced as
-        shared by all 16 of a batch, a forward that fed 1 to 7 of them cost
-        each three to four times what the plan charged. (Further positions
-        of the chain pay their own forwards, ``deeper``.) A line ``ahead`` in
-        a drain (``choose.lines_ahead``) drafts nothing, so its chain rests
-        without looks until ``HOLD_MAX`` rows wait."""
+        current rate), on a look, or when ``HOLD_MAX`` rows wait.
+
+        The forward is shared by as many sequences as it has lately fed
+        (``head_fed``), not by every one running: priced as shared by all 16
+        of a batch, a forward that fed 1 to 7 of them cost each three to four
+        times what the plan charged. (Further positions of the chain pay
+        their own forwards, ``deeper``.)
+
+        Looks: a resting chain looks on the first step, half its spacing or
+        more after it stopped, whose plan count is a multiple of that spacing
+        (``EXPLORE_EVERY``, doubled after each look that found the chain not
+        worth it). Spacings are powers of two, so the looks of a batch fall
+        in one head forward rather than one each. A chain never valued
+        (``base_value`` stands for it) looks as a scout: one such sequence a
+        look, on the run's own doubling spacing, so that a batch where drafts
+        do not pay learns the chain's acceptance without feeding the head
+        every prompt. A line ``ahead`` in a drain (``choose.lines_ahead``)
+        drafts nothing, so its chain rests without looks until ``HOLD_MAX``
+        rows wait."""
         budget = self.for_seq(seq)
         if ahead and budget.held_rows() < HOLD_MAX:
             return False
         budget.since_chain += 1
         sharing = min(max(round(self.sharers), 1), max(live, 1))
         cost = self.rate_s * self.costs.head.predict(sharing) / sharing
-        if budget.chain_value >= cost:
+        value, valued = budget.chain_value, budget.chain_value is not None
+        if value is None:
+            value = self.base_value(max(live, 1))
+        if value >= cost:
             budget.since_chain, budget.explore_every = 0, EXPLORE_EVERY
             return True
-        if budget.since_chain >= budget.explore_every or budget.held_rows() >= HOLD_MAX:
-            # A look that finds the chain still not worth it looks half as often.
+        if budget.held_rows() >= HOLD_MAX:
             budget.since_chain = 0
-            budget.explore_every = min(2 * budget.explore_every, EXPLORE_MAX)
             return True
-        return False
+        if not valued:
+            if self._scouted == self._planned or self._planned % self._scout_every:
+                return False
+            self._scouted = self._planned
+            self._scout_every = min(2 * self._scout_every, EXPLORE_MAX)
+            budget.since_chain = 0
+            return True
+        every = budget.explore_every
+        if 2 * budget.since_chain < every or self._planned % every:
+            return False
+        # A look that finds the chain still not worth it looks half as often.
+        budget.since_chain = 0
+        budget.explore_every = min(2 * every, EXPLORE_MAX)
+        return True
 
     def head_fed(self, feeds: int) -> None:
         """A head forward after a verify fed ``feeds`` sequences."""
