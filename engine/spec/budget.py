@@ -135,8 +135,8 @@ class SeqBudget:
     chain_keys: list[Key] = field(default_factory=list)  # one per MTP draft, in order
     chain_odds: float = 1.0  # the chance every chain draft so far is accepted
     # Expected tokens a step the chain added over the other source: decayed
-    # over the steps whose plan could choose it; None until one has (the
-    # run's figure stands in, ``DraftBudget.base_value``).
+    # over the steps whose plan could choose it; at first, the run's figure,
+    # or None before the run has one (``DraftBudget.base_value``).
     chain_value: float | None = None
     since_chain: int = 0  # steps since the chain last drafted
     explore_every: int = EXPLORE_EVERY  # steps between looks while it rests
@@ -240,10 +240,13 @@ class DraftBudget:
         self._plan: Plan | None = None
 
     def for_seq(self, seq: SeqState) -> SeqBudget:
-        """A sequence's budget; until its chain is valued, the run's figure
-        stands for it (``base_value``)."""
+        """A sequence's budget; a new one starts from what the chain has been
+        worth to the run so far, or, before any chain was valued, unvalued
+        (``base_value`` stands for it)."""
         if seq.budget is None:
-            seq.budget = SeqBudget(Rates(SEQ_DECAY, SEQ_STRENGTH, self.rates))
+            seq.budget = SeqBudget(
+                Rates(SEQ_DECAY, SEQ_STRENGTH, self.rates), chain_value=self.chain_value
+            )
         return seq.budget
 
     def base_value(self, live: int = 1) -> float:
@@ -341,11 +344,14 @@ class DraftBudget:
         more after it stopped, whose plan count is a multiple of that spacing
         (``EXPLORE_EVERY``, doubled after each look that found the chain not
         worth it). Spacings are powers of two, so the looks of a batch fall
-        in one head forward rather than one each. A chain never valued
-        (``base_value`` stands for it) looks as a scout: one such sequence a
-        look, on the run's own doubling spacing, so that a batch where drafts
-        do not pay learns the chain's acceptance without feeding the head
-        every prompt. A line ``ahead`` in a drain (``choose.lines_ahead``)
+        in one head forward rather than one each. A chain that started
+        before the run valued any (``base_value`` stands for it) looks as a
+        scout: one such sequence a look, on the run's own doubling spacing,
+        so that a first batch where drafts do not pay learns the chain's
+        acceptance without feeding the head every prompt; a chain that
+        started later takes the run's figure as its own, and looks as every
+        valued chain does (a sequence after sequence at batch 1 never waits
+        for a scout's turn). A line ``ahead`` in a drain (``choose.lines_ahead``)
         drafts nothing, so its chain rests without looks until ``HOLD_MAX``
         rows wait."""
         budget = self.for_seq(seq)
