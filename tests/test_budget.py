@@ -175,7 +175,7 @@ def test_resting_chains_look_in_the_same_step() -> None:
         budget.plan([Candidates(seq, 1, [], []) for seq in seqs])
         budget.rate_s = 100.0  # a head forward of 1 ms costs 0.1 token
         for seq in seqs:
-            # Slot 0's chain stops paying at step 1, slot 1's at step 5.
+            # Slot 0's chain stops paying at step 1, slot 1's at step 6.
             budget.for_seq(seq).chain_value = 1.0 if step < 1 + 5 * seq.slot else 0.0
             if budget.wants_chain(seq, 2) and budget.for_seq(seq).chain_value == 0.0:
                 looks[seq.slot].append(step)
