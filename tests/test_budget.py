@@ -26,7 +26,15 @@ from metrale.engine.spec.cost import CostCache, CostModel, RunningCosts, bucket
 from metrale.engine.spec.plan import Plan, best_plan
 from metrale.lookup import PromptLookupConfig
 from tests.checkpoints import write_tiny_checkpoint
-from tests.fake_model import CostedModel, CostedMtp, FakeClock, FakeModel, FakeMtp, reference_greedy
+from tests.fake_model import (
+    CostedModel,
+    CostedMtp,
+    FakeClock,
+    FakeModel,
+    FakeMtp,
+    nearly_free_rows,
+    reference_greedy,
+)
 from tests.test_engine import check_figures_add_up
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,7 +49,7 @@ REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0] * 2 + [1, 2, 
 LOOKUP = PromptLookupConfig(ngram=2, min_match=3, max_drafts=8, miss_backoff=0)
 COSTS: dict[str, Callable[[int], float]] = {
     # A verify row costs almost nothing beside the step (a GPU at small batch).
-    "free": lambda rows: 0.010 + 0.00001 * rows,
+    "free": nearly_free_rows,
     # Every row costs as much as a whole one-row step.
     "dear": lambda rows: 0.010 * rows,
     # Somewhere between: a CPU, where a row adds a third of a step.
