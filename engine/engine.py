@@ -668,10 +668,11 @@ class Engine:
     def calibrate(self) -> None:
         """Warm-starts the draft budget's cost model, once, from its cache or
         from verifies of 1..64 rows at the start of free slots (a later
-        prefill writes those positions anew); ``generate`` calls it. Only
-        before a run, while no request holds a slot. One sequence's widths fit
-        one slot; wider ones are spread as a batch would be. A no-op under the
-        fixed policy."""
+        prefill writes those positions anew), and head forwards feeding 1..16
+        of those slots a row each (a later feed writes them anew too);
+        ``generate`` calls it. Only before a run, while no request holds a
+        slot. One sequence's widths fit one slot; wider ones are spread as a
+        batch would be. A no-op under the fixed policy."""
         if self._budget is None or self._budget.costs.calibrated:
             return
         assert not (self._prefilling or self._decoding), "calibrate before a run"
@@ -688,7 +689,17 @@ class Engine:
                 left -= take
             self.model.forward(segments, logits="all").logits.argmax(dim=-1).tolist()
 
-        costs.calibrate(forward, min(4 * slots, self._max_len - 1))
+        head = None
+        if self._drafter is not None:
+            module = self._drafter.modules[0]
+            feed = [Segment(slot, 0, [0]) for slot in range(slots)]
+            hidden = self.model.forward(feed, logits="last").hidden  # [slots, hidden_size]
+
+            def head(feeds: int) -> None:
+                out = module.forward(feed[:feeds], hidden[:feeds], logits="last")
+                out.logits.argmax(dim=-1).tolist()
+
+        costs.calibrate(forward, min(4 * slots, self._max_len - 1), head, slots)
 
     def _sample_one(self, seq: SeqState, logits: torch.Tensor) -> int:  # logits: [vocab]
         if seq.grammar is not None:

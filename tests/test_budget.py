@@ -194,7 +194,7 @@ def test_resting_chains_look_in_the_same_step() -> None:
 
 
 def test_where_drafts_do_not_pay_the_head_reads_few_prompts() -> None:
-    read = {}
+    read, forwards = {}, {}
     for cost in ("free", "dear"):
         engine, model = costed_engine(cost, mtp_mode="wrong")
         prompts = [p * 2 for p in PROMPTS]
@@ -203,11 +203,42 @@ def test_where_drafts_do_not_pay_the_head_reads_few_prompts() -> None:
         head = engine._drafter.modules[0]
         assert isinstance(head, CostedMtp)
         read[cost] = {s.slot for segments, _ in head.forwards for s in segments if s.start == 0}
+        forwards[cost] = len(head.forwards)
     # Rows nearly free: every chain drafts from its first step, prompt first.
     assert read["free"] == {0, 1, 2, 3}
     # A row as dear as a step: a chain not valued yet rests from the start,
-    # holding its prompt; one sequence a look scouts (steps 8, 16 and 32 of 40).
-    assert len(read["dear"]) <= 3
+    # holding its prompt, and as not even a draft sure to be accepted pays
+    # its row, no look or scout is made: the head reads nothing at all.
+    assert read["dear"] == set() and forwards["dear"] == 0
+
+
+def test_the_calibration_prices_the_head_and_a_cache_without_it_is_measured_again(
+    tmp_path: Path,
+) -> None:
+    key = {"model": "m", "device": "cpu", "dtype": "float32", "threads": "2"}
+    clock = FakeClock()
+    calls: list[tuple[str, int]] = []
+
+    def forward(rows: int) -> None:
+        calls.append(("verify", rows))
+        clock.now += 0.001 * rows
+
+    def head(feeds: int) -> None:
+        calls.append(("head", feeds))
+        clock.now += 0.0002 + 0.0001 * feeds
+
+    first = CostModel(clock, CostCache(tmp_path, key))
+    first.calibrate(forward, 8)  # a run without a head measures none
+    assert not first.head.known() and ("head", 1) not in calls
+    calls.clear()
+    with_head = CostModel(clock, CostCache(tmp_path, key))
+    with_head.calibrate(forward, 8, head, 4)
+    assert {c for c in calls if c[0] == "head"} == {("head", 1), ("head", 2), ("head", 4)}
+    assert with_head.head.predict(4) == pytest.approx(0.0006)
+    calls.clear()
+    again = CostModel(clock, CostCache(tmp_path, key))
+    again.calibrate(forward, 8, head, 4)
+    assert calls == [] and again.head.table() == with_head.head.table()
 
 
 def test_costs_are_interpolated_between_buckets_and_follow_new_measurements() -> None:
@@ -319,7 +350,9 @@ def costed_engine(
     config = EngineConfig(max_batch=max_batch, prompt_lookup=lookup, draft_policy="auto")
     engine = Engine(model, None, config, mtp=mtp, costs=CostModel(clock))
     engine.calibrate()
-    model.forwards.clear()
+    model.forwards.clear()  # the calibration's verifies and head forwards are no part of the trace
+    for head in mtp:
+        head.forwards.clear()
     return engine, model
 
 

@@ -260,11 +260,17 @@ class DraftBudget:
         the head's share, where a first draft is worth less than its row."""
         if self.chain_value is not None:
             return self.chain_value
-        rate, marginal = self.rate_s, self.marginal_s
-        if not self._planned:  # before the first plan: a step of ``live`` rows
-            rate = live / self.costs.step_s(live)
-            marginal = self._marginal(live, live)
+        rate, marginal = self._row_price(live)
         return self.rates.rate(("mtp", 0)) - rate * marginal
+
+    def _row_price(self, live: int) -> tuple[float, float]:
+        """The current rate (tokens/s) and the seconds of one more verify row
+        per sequence: the last plan's, or before the first plan, a step of
+        ``live`` rows'."""
+        if self._planned:
+            return self.rate_s, self.marginal_s
+        step_s = self.costs.step_s(live)
+        return (live / step_s if step_s > 0 else 0.0), self._marginal(live, live)
 
     # -- the plan -------------------------------------------------------------
 
@@ -353,22 +359,39 @@ class DraftBudget:
         valued chain does (a sequence after sequence at batch 1 never waits
         for a scout's turn). A line ``ahead`` in a drain (``choose.lines_ahead``)
         drafts nothing, so its chain rests without looks until ``HOLD_MAX``
-        rows wait."""
+        rows wait.
+
+        No look and no scout is made while no chain could pay: while a first
+        draft sure to be accepted is worth less than its verify row and its
+        share of the head at the current rate. On a CPU where a verify of 17
+        rows or more costs about a token's share per row (16 sequences on a
+        2-core Xeon), every look was a head forward, held prompt and all,
+        for nothing."""
         budget = self.for_seq(seq)
         if ahead and budget.held_rows() < HOLD_MAX:
             return False
         budget.since_chain += 1
-        sharing = min(max(round(self.sharers), 1), max(live, 1))
-        cost = self.rate_s * self.costs.head.predict(sharing) / sharing
+        live = max(live, 1)
+        sharing = min(max(round(self.sharers), 1), live)
+        head_s = self.costs.head.predict(sharing) / sharing
+        cost = self.rate_s * head_s
         value, valued = budget.chain_value, budget.chain_value is not None
         if value is None:
-            value = self.base_value(max(live, 1))
+            value = self.base_value(live)
         if value >= cost:
             budget.since_chain, budget.explore_every = 0, EXPLORE_EVERY
             return True
         if budget.held_rows() >= HOLD_MAX:
             budget.since_chain = 0
             return True
+        rate, marginal = self._row_price(live)
+        if 1.0 - rate * marginal <= rate * head_s:
+            # Not even a first draft sure to be accepted would pay its verify
+            # row and its share of the head: no look or scout can find a
+            # chain worth running at these costs, so none is made (the
+            # chain's worth is looked at again once the costs change, as the
+            # batch thins out).
+            return False
         if not valued:
             if self._scouted == self._planned or self._planned % self._scout_every:
                 return False

@@ -25,7 +25,12 @@ Contract:
 - ``head_s`` is the time of one MTP head forward by the rows it reads (one
   per drafting sequence), the same way; ``other_s`` the rest of a step
   (sampling, lookup, grammar, Python), one running figure.
-- ``calibrate`` warm-starts ``verify`` from a few forwards at chosen widths.
+- ``calibrate`` warm-starts ``verify`` from a few forwards at chosen widths,
+  and ``head`` from a few head forwards feeding 1, 2, 4... sequences (when
+  the run has a head). Without it a run whose chains rest from the start
+  never measured the head (forwards that feed held rows are not measured,
+  they are dearer than a step's own), priced it at nothing, and could not
+  tell that no chain pays where a verify row costs nearly a token.
   ``CostCache`` keeps the result in ``METRALE_HOME`` under a key naming the
   model, its weights, device, dtype and thread count, so a later run on the
   same set-up starts from it without running them, and a run with another
@@ -41,6 +46,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 # How far a new measurement moves its bucket's estimate, and the most a
@@ -48,12 +54,14 @@ from pathlib import Path
 ALPHA = 0.15
 SPIKE = 2.0
 # Calibration widths: the verify shapes a run meets most (1 sequence with
-# drafts, or a batch with up to 3 drafts each).
+# drafts, or a batch with up to 3 drafts each), and the head forwards' (the
+# sequences one feeds, a row each).
 CALIBRATION_ROWS = (1, 2, 3, 4, 8, 16, 32, 64)
+CALIBRATION_FEEDS = (1, 2, 4, 8, 16)
 # Buckets are exact up to this many rows; wider verifies are priced by a line.
 FINE_ROWS = 16
 # A calibration is kept this many runs' worth of format changes apart.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the head's costs beside the verify's
 
 Clock = Callable[[], float]
 
@@ -185,34 +193,73 @@ class CostModel:
             spike = SPIKE * self.other_s if self.other_s > 0 else seconds
             self.other_s += ALPHA * (min(seconds, spike) - self.other_s)
 
-    def calibrate(self, forward: Callable[[int], None], max_rows: int) -> None:
+    def calibrate(
+        self,
+        forward: Callable[[int], None],
+        max_rows: int,
+        head: Callable[[int], None] | None = None,
+        max_feeds: int = 1,
+    ) -> None:
         """Warm-starts ``verify`` from the cache, or by timing ``forward(rows)``
         (one untimed warm-up, then the better of two) at each calibration width
-        up to ``max_rows``, and stores what it measured."""
+        up to ``max_rows``; likewise ``head`` by ``head(feeds)``, a head
+        forward feeding ``feeds`` sequences, up to ``max_feeds``. Stores what
+        it measured."""
         if self.calibrated:
             return
         self.calibrated = True
         widths = [r for r in CALIBRATION_ROWS if r <= max_rows]
+        feeds = [f for f in CALIBRATION_FEEDS if f <= max_feeds] if head is not None else []
         cached = self.cache.load() if self.cache is not None else None
-        if cached is not None and all(bucket(r) in cached for r in widths):
-            for rows, seconds in cached.items():
+        if (
+            cached is not None
+            and _covers(cached.verify_s, widths)
+            and _covers(cached.head_s, feeds)
+        ):
+            for rows, seconds in cached.verify_s.items():
                 self.verify.observe(rows, seconds)
+            for rows, seconds in cached.head_s.items():
+                self.head.observe(rows, seconds)
             return
-        forward(1)
-        for rows in widths:
-            best = float("inf")
-            for _ in range(2):
-                began = self.clock()
-                forward(rows)
-                best = min(best, self.clock() - began)
-            self.verify.observe(rows, best)
+        _time_widths(self.clock, forward, widths, self.verify)
+        if head is not None:
+            _time_widths(self.clock, head, feeds, self.head)
         self.save()
 
     def save(self) -> None:
-        """Stores the verify costs as they stand, so the next run on this
-        set-up starts from what this one measured last."""
+        """Stores the costs as they stand, so the next run on this set-up
+        starts from what this one measured last."""
         if self.cache is not None and self.verify.known():
-            self.cache.store(self.verify.table())
+            self.cache.store(Calibration(self.verify.table(), self.head.table()))
+
+
+def _covers(measured: Mapping[int, float], widths: list[int]) -> bool:
+    return all(bucket(r) in measured for r in widths)
+
+
+def _time_widths(
+    clock: Clock, call: Callable[[int], None], widths: list[int], into: RunningCosts
+) -> None:
+    """Times ``call(width)`` at each width (one untimed warm-up, then the
+    better of two) into ``into``."""
+    if not widths:
+        return
+    call(widths[0])
+    for width in widths:
+        best = float("inf")
+        for _ in range(2):
+            began = clock()
+            call(width)
+            best = min(best, clock() - began)
+        into.observe(width, best)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Stored costs: seconds by verify rows, and by sequences a head forward feeds."""
+
+    verify_s: Mapping[int, float]
+    head_s: Mapping[int, float]
 
 
 class CostCache:
@@ -225,7 +272,7 @@ class CostCache:
         digest = hashlib.sha256(text.encode()).hexdigest()[:20]
         self.path = home / "calibration" / f"{digest}.json"
 
-    def load(self) -> dict[int, float] | None:
+    def load(self) -> Calibration | None:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -233,14 +280,21 @@ class CostCache:
         if not isinstance(data, dict) or data.get("key") != self.key:
             return None
         try:
-            return {int(k): float(v) for k, v in data["verify_s"].items()}
+            return Calibration(
+                {int(k): float(v) for k, v in data["verify_s"].items()},
+                {int(k): float(v) for k, v in data["head_s"].items()},
+            )
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
-    def store(self, verify_s: Mapping[int, float]) -> None:
+    def store(self, costs: Calibration) -> None:
         """Writes atomically; a home that cannot be written is left alone
         (the next run calibrates again)."""
-        data = {"key": self.key, "verify_s": {str(k): v for k, v in verify_s.items()}}
+        data = {
+            "key": self.key,
+            "verify_s": {str(k): v for k, v in costs.verify_s.items()},
+            "head_s": {str(k): v for k, v in costs.head_s.items()},
+        }
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             partial = self.path.with_suffix(f".{os.getpid()}.tmp")
