@@ -204,10 +204,13 @@ class MtpDrafter:
                         caps[i] = depth
             rows = [_rows_at(f, c, depth, d) for f, c, d in zip(feeds, caps, drafts, strict=True)]
             fed = [i for i, (_, tokens) in enumerate(rows) if tokens]
-            if depth == 0:
-                rows_in = hidden
-            else:
-                rows_in = self._handed_on(feeds, depth, fed, [len(rows[i][1]) for i in fed], before)
+            sizes = [len(rows[i][1]) for i in fed]
+            rows_in = hidden
+            if depth > 0:
+                # A module may have no row to run: a one-token feed at the
+                # slot's start that drafts no further hands nothing on.
+                if fed:
+                    rows_in = self._handed_on(feeds, depth, fed, sizes, before)
                 self._keep_last_final(feeds, depth - 1, before)
             before = [None] * len(feeds)
             if not fed:
@@ -216,7 +219,6 @@ class MtpDrafter:
             out = module.forward(segments, rows_in, logits="last")
             self.forwards += 1
             # out.logits: [num_fed, vocab]; out.hidden: [num_rows, hidden_size]
-            sizes = [len(rows[i][1]) for i in fed]
             for i, piece in zip(fed, out.hidden.split(sizes), strict=True):
                 before[i] = piece
             live = [n for n, i in enumerate(fed) if _drafts_on(caps[i], depth, drafts[i])]
