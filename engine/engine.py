@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from metrale.engine.api import Grammar, Request, Result
+from metrale.engine.api import Grammar, Request, Result, SamplingParams
 from metrale.engine.config import EngineConfig
 from metrale.engine.device_step import MAX_WIDTH, VerifyRow, device_step_for
 from metrale.engine.kernels.binding import packed_kernel
@@ -689,17 +689,27 @@ class Engine:
                 left -= take
             self.model.forward(segments, logits="all").logits.argmax(dim=-1).tolist()
 
-        head = None
+        head: Callable[[int], int] | None = None
         if self._drafter is not None:
-            module = self._drafter.modules[0]
-            feed = [Segment(slot, 0, [0]) for slot in range(slots)]
-            hidden = self.model.forward(feed, logits="last").hidden  # [slots, hidden_size]
+            drafter = self._drafter
+            feeds: list[DraftFeed] = []
+            rows: list[torch.Tensor] = []  # [slots, hidden_size]: the rows fed, made once
 
-            def head(feeds: int) -> None:
-                out = module.forward(feed[:feeds], hidden[:feeds], logits="last")
-                out.logits.argmax(dim=-1).tolist()
+            def head(count: int) -> int:
+                """A head call feeding ``count`` slots a row each, one draft
+                each, through the drafter as a run calls it; the forwards it ran."""
+                if not feeds:  # only when the costs are not read from the cache
+                    segments = [Segment(slot, 0, [0]) for slot in range(slots)]
+                    rows.append(self.model.forward(segments, logits="last").hidden)
+                    request = Request("calibration", (0,), SamplingParams(max_tokens=1))
+                    for slot in range(slots):
+                        seq = SeqState(request, slot, self._max_len, frozenset(), None, None)
+                        feeds.append(DraftFeed(seq, 0, [0], 1))
+                before = drafter.forwards
+                drafter.feed_and_draft(feeds[:count], rows[0][:count])
+                return drafter.forwards - before
 
-        costs.calibrate(forward, min(4 * slots, self._max_len - 1), head, slots)
+        costs.calibrate(forward, min(4 * slots, self._max_len - 1), (head, slots) if head else None)
 
     def _sample_one(self, seq: SeqState, logits: torch.Tensor) -> int:  # logits: [vocab]
         if seq.grammar is not None:

@@ -54,6 +54,9 @@ COSTS: dict[str, Callable[[int], float]] = {
     "dear": lambda rows: 0.010 * rows,
     # Somewhere between: a CPU, where a row adds a third of a step.
     "cpu": lambda rows: 0.010 + 0.003 * rows,
+    # A row costs 0.94 of a token's share of a 4-row step: a sure draft
+    # leaves 0.06 token for the head's share.
+    "tight": lambda rows: 0.002 + 0.008 * rows,
 }
 
 
@@ -193,7 +196,7 @@ def test_resting_chains_look_in_the_same_step() -> None:
     assert looks[1] == [16, 32]
 
 
-def test_where_drafts_do_not_pay_the_head_reads_few_prompts() -> None:
+def test_where_drafts_do_not_pay_the_head_reads_no_prompt() -> None:
     read, forwards = {}, {}
     for cost in ("free", "dear"):
         engine, model = costed_engine(cost, mtp_mode="wrong")
@@ -212,6 +215,22 @@ def test_where_drafts_do_not_pay_the_head_reads_few_prompts() -> None:
     assert read["dear"] == set() and forwards["dear"] == 0
 
 
+def test_no_look_is_made_while_a_sure_draft_would_not_pay_its_row_and_the_head() -> None:
+    forwards = {}
+    for head_cost in (0.0, 0.004):
+        engine, model = costed_engine("tight", mtp_mode="wrong", head_cost=head_cost)
+        prompts = [p * 2 for p in PROMPTS]
+        assert generate(engine, prompts) == [reference_greedy(model, p, 40) for p in prompts]
+        assert engine._drafter is not None
+        head = engine._drafter.modules[0]
+        assert isinstance(head, CostedMtp)
+        forwards[head_cost] = len(head.forwards)
+    # A free head leaves a sure draft 0.06 token: scouts look for a chain.
+    assert forwards[0.0] > 0
+    # Shared by 4, a 4 ms head forward costs each 0.12 token: nothing could pay.
+    assert forwards[0.004] == 0
+
+
 def test_the_calibration_prices_the_head_and_a_cache_without_it_is_measured_again(
     tmp_path: Path,
 ) -> None:
@@ -223,22 +242,46 @@ def test_the_calibration_prices_the_head_and_a_cache_without_it_is_measured_agai
         calls.append(("verify", rows))
         clock.now += 0.001 * rows
 
-    def head(feeds: int) -> None:
+    def head(feeds: int) -> int:
         calls.append(("head", feeds))
-        clock.now += 0.0002 + 0.0001 * feeds
+        clock.now += 2 * (0.0002 + 0.0001 * feeds)
+        return 2  # head forwards run: the cost is per forward
 
     first = CostModel(clock, CostCache(tmp_path, key))
     first.calibrate(forward, 8)  # a run without a head measures none
     assert not first.head.known() and ("head", 1) not in calls
     calls.clear()
     with_head = CostModel(clock, CostCache(tmp_path, key))
-    with_head.calibrate(forward, 8, head, 4)
+    with_head.calibrate(forward, 8, (head, 4))
     assert {c for c in calls if c[0] == "head"} == {("head", 1), ("head", 2), ("head", 4)}
     assert with_head.head.predict(4) == pytest.approx(0.0006)
     calls.clear()
     again = CostModel(clock, CostCache(tmp_path, key))
-    again.calibrate(forward, 8, head, 4)
+    again.calibrate(forward, 8, (head, 4))
     assert calls == [] and again.head.table() == with_head.head.table()
+    # A run without a head reads the same file and stores it again whole.
+    headless = CostModel(clock, CostCache(tmp_path, key))
+    headless.calibrate(forward, 8)
+    headless.save()
+    after = CostModel(clock, CostCache(tmp_path, key))
+    after.calibrate(forward, 8, (head, 4))
+    assert calls == [] and after.head.table() == with_head.head.table()
+
+
+def test_no_chain_could_pay_where_a_row_costs_a_token_and_could_as_the_batch_thins() -> None:
+    def budget(head_s: float) -> DraftBudget:
+        costs = CostModel(FakeClock())
+        # One or two rows cost about the same (a narrow product); from 16
+        # rows on, every row costs what a 16-row step costs per token.
+        for rows, seconds in ((1, 0.010), (2, 0.011), (16, 0.048), (32, 0.096)):
+            costs.verify.observe(rows, seconds)
+        costs.head.observe(1, head_s)
+        costs.head.observe(16, 2 * head_s)
+        return DraftBudget(costs)
+
+    assert not budget(0.002).chain_may_pay(16)  # a sure draft's row is a token: nothing left
+    assert budget(0.002).chain_may_pay(1)  # 0.9 token left, the head takes 0.2 of it
+    assert not budget(0.010).chain_may_pay(1)  # a head as dear as the step takes 1 token
 
 
 def test_costs_are_interpolated_between_buckets_and_follow_new_measurements() -> None:

@@ -260,17 +260,26 @@ class DraftBudget:
         the head's share, where a first draft is worth less than its row."""
         if self.chain_value is not None:
             return self.chain_value
-        rate, marginal = self._row_price(live)
+        rate, marginal = self.rate_s, self.marginal_s
+        if not self._planned:  # before the first plan: a step of ``live`` rows
+            rate = live / self.costs.step_s(live)
+            marginal = self._marginal(live, live)
         return self.rates.rate(("mtp", 0)) - rate * marginal
 
-    def _row_price(self, live: int) -> tuple[float, float]:
-        """The current rate (tokens/s) and the seconds of one more verify row
-        per sequence: the last plan's, or before the first plan, a step of
-        ``live`` rows'."""
-        if self._planned:
-            return self.rate_s, self.marginal_s
+    def chain_may_pay(self, live: int) -> bool:
+        """Whether any chain could pay at these costs: a first draft sure to
+        be accepted, verified on a plain step of ``live`` rows, against its
+        verify row and its share of a head forward that all ``live``
+        sequences share, at that step's rate. The bound is the most a chain
+        can be worth: it takes no account of the copies or drafts the plan
+        would otherwise verify (a chain only ever replaces them), nor of how
+        few sequences a head forward lately fed."""
         step_s = self.costs.step_s(live)
-        return (live / step_s if step_s > 0 else 0.0), self._marginal(live, live)
+        if step_s <= 0:  # nothing measured yet
+            return True
+        rate = live / step_s
+        head_s = self.costs.head.predict(live) / live
+        return 1.0 - rate * self._marginal(live, live) > rate * head_s
 
     # -- the plan -------------------------------------------------------------
 
@@ -361,20 +370,18 @@ class DraftBudget:
         drafts nothing, so its chain rests without looks until ``HOLD_MAX``
         rows wait.
 
-        No look and no scout is made while no chain could pay: while a first
-        draft sure to be accepted is worth less than its verify row and its
-        share of the head at the current rate. On a CPU where a verify of 17
-        rows or more costs about a token's share per row (16 sequences on a
-        2-core Xeon), every look was a head forward, held prompt and all,
-        for nothing."""
+        No look and no scout is made while no chain could pay
+        (``chain_may_pay``): where a verify row costs about a token's share
+        of the step, every look would be a head forward, held prompt and
+        all, for nothing. Looks resume as soon as the costs allow, as a
+        batch thins out."""
         budget = self.for_seq(seq)
         if ahead and budget.held_rows() < HOLD_MAX:
             return False
         budget.since_chain += 1
         live = max(live, 1)
         sharing = min(max(round(self.sharers), 1), live)
-        head_s = self.costs.head.predict(sharing) / sharing
-        cost = self.rate_s * head_s
+        cost = self.rate_s * self.costs.head.predict(sharing) / sharing
         value, valued = budget.chain_value, budget.chain_value is not None
         if value is None:
             value = self.base_value(live)
@@ -384,13 +391,7 @@ class DraftBudget:
         if budget.held_rows() >= HOLD_MAX:
             budget.since_chain = 0
             return True
-        rate, marginal = self._row_price(live)
-        if 1.0 - rate * marginal <= rate * head_s:
-            # Not even a first draft sure to be accepted would pay its verify
-            # row and its share of the head: no look or scout can find a
-            # chain worth running at these costs, so none is made (the
-            # chain's worth is looked at again once the costs change, as the
-            # batch thins out).
+        if not self.chain_may_pay(live):
             return False
         if not valued:
             if self._scouted == self._planned or self._planned % self._scout_every:

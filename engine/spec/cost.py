@@ -22,15 +22,18 @@ Contract:
   then took rows 21-24 for nothing. A bucket measured again moves by
   ``ALPHA`` towards the new figure, so the estimate follows the context
   growing and the machine getting busier.
-- ``head_s`` is the time of one MTP head forward by the rows it reads (one
-  per drafting sequence), the same way; ``other_s`` the rest of a step
-  (sampling, lookup, grammar, Python), one running figure.
+- ``head`` is the time of one MTP head forward by the sequences it feeds,
+  the same way, measured as the run's calls to the drafter take it (its
+  Python and reads included); ``other_s`` the rest of a step (sampling,
+  lookup, grammar, Python), one running figure.
 - ``calibrate`` warm-starts ``verify`` from a few forwards at chosen widths,
-  and ``head`` from a few head forwards feeding 1, 2, 4... sequences (when
-  the run has a head). Without it a run whose chains rest from the start
-  never measured the head (forwards that feed held rows are not measured,
-  they are dearer than a step's own), priced it at nothing, and could not
-  tell that no chain pays where a verify row costs nearly a token.
+  and, when the run has a head, ``head`` from a few drafter calls feeding 1,
+  2, 4... sequences a row each. Without that, a run whose chains rest from
+  the start never measured the head (forwards that feed held rows are not
+  measured: they are dearer than a step's own), priced it at nothing, and
+  could not tell that no chain pays where a verify row costs about a token.
+  A cache lacking either table is measured again whole; a run with no head
+  keeps the head's stored figures, so its ``save`` does not drop them.
   ``CostCache`` keeps the result in ``METRALE_HOME`` under a key naming the
   model, its weights, device, dtype and thread count, so a later run on the
   same set-up starts from it without running them, and a run with another
@@ -60,8 +63,8 @@ CALIBRATION_ROWS = (1, 2, 3, 4, 8, 16, 32, 64)
 CALIBRATION_FEEDS = (1, 2, 4, 8, 16)
 # Buckets are exact up to this many rows; wider verifies are priced by a line.
 FINE_ROWS = 16
-# A calibration is kept this many runs' worth of format changes apart.
-CACHE_FORMAT = 2  # 2: the head's costs beside the verify's
+# Raised whenever the stored figures change meaning (2: the head's beside the verify's).
+CACHE_FORMAT = 2
 
 Clock = Callable[[], float]
 
@@ -197,19 +200,19 @@ class CostModel:
         self,
         forward: Callable[[int], None],
         max_rows: int,
-        head: Callable[[int], None] | None = None,
-        max_feeds: int = 1,
+        head: tuple[Callable[[int], int], int] | None = None,
     ) -> None:
         """Warm-starts ``verify`` from the cache, or by timing ``forward(rows)``
         (one untimed warm-up, then the better of two) at each calibration width
-        up to ``max_rows``; likewise ``head`` by ``head(feeds)``, a head
-        forward feeding ``feeds`` sequences, up to ``max_feeds``. Stores what
-        it measured."""
+        up to ``max_rows``; likewise, given ``head = (call, max_feeds)``, the
+        head by ``call(feeds)``, a drafter call feeding ``feeds`` sequences
+        (up to ``max_feeds``) that returns the head forwards it ran. Stores
+        what it measured."""
         if self.calibrated:
             return
         self.calibrated = True
         widths = [r for r in CALIBRATION_ROWS if r <= max_rows]
-        feeds = [f for f in CALIBRATION_FEEDS if f <= max_feeds] if head is not None else []
+        feeds = [f for f in CALIBRATION_FEEDS if f <= head[1]] if head is not None else []
         cached = self.cache.load() if self.cache is not None else None
         if (
             cached is not None
@@ -223,7 +226,7 @@ class CostModel:
             return
         _time_widths(self.clock, forward, widths, self.verify)
         if head is not None:
-            _time_widths(self.clock, head, feeds, self.head)
+            _time_widths(self.clock, head[0], feeds, self.head)
         self.save()
 
     def save(self) -> None:
@@ -233,25 +236,26 @@ class CostModel:
             self.cache.store(Calibration(self.verify.table(), self.head.table()))
 
 
-def _covers(measured: Mapping[int, float], widths: list[int]) -> bool:
-    return all(bucket(r) in measured for r in widths)
+def _covers(measured: Mapping[int, float], sizes: list[int]) -> bool:
+    return all(bucket(n) in measured for n in sizes)
 
 
 def _time_widths(
-    clock: Clock, call: Callable[[int], None], widths: list[int], into: RunningCosts
+    clock: Clock, call: Callable[[int], int | None], sizes: list[int], into: RunningCosts
 ) -> None:
-    """Times ``call(width)`` at each width (one untimed warm-up, then the
-    better of two) into ``into``."""
-    if not widths:
+    """Times ``call(size)`` at each size (one untimed warm-up, then the better
+    of two) into ``into``; a call that returns a count is priced per unit of
+    it (a drafter call that ran several head forwards)."""
+    if not sizes:
         return
-    call(widths[0])
-    for width in widths:
+    call(sizes[0])
+    for size in sizes:
         best = float("inf")
         for _ in range(2):
             began = clock()
-            call(width)
-            best = min(best, clock() - began)
-        into.observe(width, best)
+            units = call(size)
+            best = min(best, (clock() - began) / max(units or 1, 1))
+        into.observe(size, best)
 
 
 @dataclass(frozen=True)
