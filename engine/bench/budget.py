@@ -4,20 +4,28 @@
 loads the default model (or ``--model``) once and, per workload (default: the
 sample workloads), at batch 1 (the first ``--single`` requests, one at a
 time) and at ``--batch`` (the first that many together), times five
-configurations taking turns (``take_turns``), ``--repeats`` rounds, after an
-untimed warm-up of each:
+configurations, ``--repeats`` rounds, after an untimed warm-up of each:
 
 - no drafts; copies only; MTP only; MTP + copies: the fixed policy (the
   ladder and copy windows, ``--draft-policy fixed``);
 - the draft budget over both sources (``--draft-policy auto``, the default).
 
+How they take turns: at ``--batch``, run by run (``take_turns``: every
+configuration decodes the batch once a round, on a fresh engine). At batch
+1, request by request: each round builds a fresh engine per configuration,
+and each engine decodes the requests in order, one at a time as before, but
+the five take turns at every request (who goes first rotates), so each
+configuration's time is spread over the whole round. The speed of a shared
+machine drifts over tens of seconds; a configuration whose whole run fell
+on a slow stretch was measured slow, where now every configuration meets
+the stretch alike.
+
 It prints each one's median tokens/s, which fixed configuration was best
 (the highest median), and the budget's ratio to it twice: the ratio of the
 two medians, and the median over rounds of the ratio within a round
-(``paired``). On a machine whose speed drifts by 10-20% over tens of seconds
-(seen on a 2-core Xeon VM: plain decoding of one workload at 158.8 to 208.6
-tokens/s in eight runs), the second cancels what the two runs of a round
-share, and the first does not; both are printed. Outputs are
+(``paired``), which cancels what the runs of a round share. With
+``--rounds-json PATH``, every round's tokens/s per configuration, by
+``workload/batch``, are written there after each row. Outputs are
 greedy and compared token for token with the no-drafts run; a difference is
 an error. The budget's calibration is taken (or read from ``METRALE_HOME``)
 before anything is timed. Timings are wall clock on a shared machine: read
@@ -31,7 +39,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 
 from metrale.engine.api import Request, SamplingParams
@@ -49,6 +57,7 @@ CONFIGS: dict[str, dict[str, object]] = {
     "auto": {"draft_policy": "auto"},
 }
 FIXED = [name for name in CONFIGS if name != "auto"]
+Outputs = dict[str, tuple[int, ...]]  # request id -> output ids
 
 
 def read_requests(path: Path, loaded: LoadedModel, max_tokens: int | None) -> list[Request]:
@@ -67,7 +76,7 @@ def read_requests(path: Path, loaded: LoadedModel, max_tokens: int | None) -> li
 
 def decode(
     loaded: LoadedModel, config: EngineConfig, requests: Sequence[Request], one_at_a_time: bool
-) -> tuple[float, dict[str, tuple[int, ...]]]:
+) -> tuple[float, Outputs]:
     """Seconds and outputs of one run on a fresh engine (calibrated first)."""
     engine = Engine.from_loaded(loaded, config)
     engine.calibrate()
@@ -79,37 +88,72 @@ def decode(
     return time.perf_counter() - began, {r.request_id: r.output_ids for r in results}
 
 
+def one_by_one(
+    loaded: LoadedModel, configs: dict[str, EngineConfig], requests: Sequence[Request], round_: int
+) -> dict[str, tuple[float, Outputs]]:
+    """One batch-1 round (module doc): per configuration, the seconds its
+    engine spent on the requests and its outputs."""
+    engines = {key: Engine.from_loaded(loaded, config) for key, config in configs.items()}
+    for engine in engines.values():
+        engine.calibrate()
+    keys = list(configs)
+    seconds = dict.fromkeys(keys, 0.0)
+    outputs: dict[str, Outputs] = {key: {} for key in keys}
+    for index, request in enumerate(requests):
+        shift = (round_ + index) % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            began = time.perf_counter()
+            results = list(engines[key].generate([request]))
+            seconds[key] += time.perf_counter() - began
+            outputs[key].update((r.request_id, r.output_ids) for r in results)
+    return {key: (seconds[key], outputs[key]) for key in keys}
+
+
 def bench_workload(
     loaded: LoadedModel, name: str, requests: Sequence[Request], batch: int, repeats: int
 ) -> dict[str, list[float]]:
     """Tokens/s per configuration, round by round; raises on any output difference."""
-    single = batch == 1
     configs = {k: EngineConfig(max_batch=batch, **v) for k, v in CONFIGS.items()}  # type: ignore[arg-type]
-    outputs: dict[str, dict[str, tuple[int, ...]]] = {}
+    expected: dict[str, Outputs] = {}
 
-    def runner(key: str) -> Callable[[], float]:
-        def run() -> float:
-            seconds, out = decode(loaded, configs[key], requests, single)
-            if out != outputs.setdefault("no drafts", out):
-                raise SystemExit(f"{name}, batch {batch}: {key} changed the greedy output")
-            return sum(len(ids) for ids in out.values()) / seconds
-
-        return run
+    def rate(key: str, seconds: float, out: Outputs) -> float:
+        if out != expected.setdefault("no drafts", out):
+            raise SystemExit(f"{name}, batch {batch}: {key} changed the greedy output")
+        return sum(len(ids) for ids in out.values()) / seconds
 
     keys = list(configs)
-    warmups = [partial(decode, loaded, configs[k], requests[:1], True) for k in keys]
-    rounds = take_turns([runner(k) for k in keys], repeats, warmups=warmups)
+    for key in keys:  # untimed warm-ups
+        decode(loaded, configs[key], requests[:1], True)
+    if batch == 1:
+        by_round = [one_by_one(loaded, configs, requests, r) for r in range(repeats)]
+        return {key: [rate(key, *measured[key]) for measured in by_round] for key in keys}
+
+    def runner(key: str) -> Callable[[], float]:
+        return lambda: rate(key, *decode(loaded, configs[key], requests, False))
+
+    rounds = take_turns([runner(k) for k in keys], repeats, warmups=[])
     return dict(zip(keys, rounds, strict=True))
 
 
-def summarise(rounds: dict[str, list[float]]) -> tuple[dict[str, float], str, float, float]:
-    """Per configuration its median tokens/s; the best fixed one; the budget's
-    ratio to it as a ratio of medians, and as the median of the ratios
-    within each round (module doc)."""
+@dataclass(frozen=True)
+class Summary:
+    """A row's figures: ``rates``, each configuration's median tokens/s;
+    ``best``, the fixed configuration with the highest; ``ratio``, the
+    budget's median over that one's; ``paired``, the median over rounds of
+    the budget's tokens/s over that one's in the same round."""
+
+    rates: dict[str, float]
+    best: str
+    ratio: float
+    paired: float
+
+
+def summarise(rounds: dict[str, list[float]]) -> Summary:
+    """A row's figures from every round's tokens/s per configuration."""
     rates = {key: statistics.median(values) for key, values in rounds.items()}
     best = max(FIXED, key=lambda k: rates[k])
     paired = statistics.median(a / b for a, b in zip(rounds["auto"], rounds[best], strict=True))
-    return rates, best, rates["auto"] / rates[best], paired
+    return Summary(rates, best, rates["auto"] / rates[best], paired)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -126,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     found: dict[str, dict[str, list[float]]] = {}
+    if args.rounds_json is not None:
+        args.rounds_json.parent.mkdir(parents=True, exist_ok=True)
     paths = args.workloads or sorted(Path("sample_prompts").glob("*.jsonl"))
     loaded = load_model(args.model, RuntimeConfig(num_slots=args.batch))
     columns = ["workload", "batch", *CONFIGS, "auto / best fixed", "paired", "best fixed"]
@@ -138,11 +184,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             shapes = shapes[:1] if args.batch_one == "only" else shapes[1:]
         for batch, subset in shapes:
             rounds = bench_workload(loaded, path.stem, subset, batch, args.repeats)
-            rates, best, ratio, paired = summarise(rounds)
-            cells = [f"{rates[k]:.1f}" for k in CONFIGS]
+            row = summarise(rounds)
+            cells = [f"{row.rates[k]:.1f}" for k in CONFIGS]
             print(
-                f"| {path.stem} | {batch} | {' | '.join(cells)} | {ratio:.3f}x | {paired:.3f}x "
-                f"| {best} |",
+                f"| {path.stem} | {batch} | {' | '.join(cells)} | {row.ratio:.3f}x "
+                f"| {row.paired:.3f}x | {row.best} |",
                 flush=True,
             )
             if args.rounds_json is not None:
