@@ -459,14 +459,17 @@ def test_the_budget_grows_when_rows_are_nearly_free_and_shrinks_when_they_are_de
 
 
 def drafts_by_slot(
-    engine: Engine, model: CostedModel, ends: bool
+    engine: Engine,
+    model: CostedModel,
+    ends: bool,
+    prompts: tuple[Sequence[int], Sequence[int]] = (PROMPTS[0], PROMPTS[1]),
 ) -> tuple[dict[str, list[int]], dict[int, list[int]]]:
     """Decodes a 40-token line (slot 0) and an 8-token one (slot 1) from a
     stream that ends after them (``ends``), or goes on idling; returns the
     outputs and each slot's drafts per verify."""
     reqs = [
-        Request("long", tuple(PROMPTS[0]), SamplingParams(max_tokens=40)),
-        Request("short", tuple(PROMPTS[1]), SamplingParams(max_tokens=8)),
+        Request("long", tuple(prompts[0]), SamplingParams(max_tokens=40)),
+        Request("short", tuple(prompts[1]), SamplingParams(max_tokens=8)),
     ]
 
     def stream() -> Iterator[Request | None]:
@@ -479,7 +482,7 @@ def drafts_by_slot(
         outputs[result.request_id] = list(result.output_ids)
         if len(outputs) == 2:
             break
-    starts = {0: len(PROMPTS[0]), 1: len(PROMPTS[1])}
+    starts = {0: len(prompts[0]), 1: len(prompts[1])}
     drafts: dict[int, list[int]] = {0: [], 1: []}
     for forward in model.forwards:
         for seg in forward:
@@ -500,6 +503,20 @@ def test_in_a_drain_a_line_that_finishes_first_anyway_drafts_nothing() -> None:
             assert set(drafts[1]) == {0}
         else:
             assert max(drafts[1]) > 0  # while the stream runs, every token counts
+
+
+def test_in_a_drain_a_line_ahead_still_verifies_its_copies() -> None:
+    # The drain rests the chains of lines ahead, not their copies: a copy
+    # costs no head forward, and a line may end at EOS long before the
+    # max_tokens the drain counts it by.
+    engine, model = costed_engine("free", mtp_mode=None, lookup=LOOKUP)
+    seed = PROMPTS[1]
+    # The short line's prompt ends as it began, so its output repeats what
+    # followed the start: a copy from its first verify on.
+    echo = [*seed, *reference_greedy(model, seed, 16), *seed]
+    outputs, drafts = drafts_by_slot(engine, model, True, (PROMPTS[0], echo))
+    assert outputs["short"] == reference_greedy(model, echo, 8)
+    assert max(drafts[1]) > 0
 
 
 def test_the_figures_add_up_under_the_budget() -> None:
