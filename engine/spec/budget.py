@@ -367,8 +367,8 @@ class DraftBudget:
         started later takes the run's figure as its own, and looks as every
         valued chain does (a sequence after sequence at batch 1 never waits
         for a scout's turn). A line ``ahead`` in a drain (``choose.lines_ahead``)
-        drafts nothing, so its chain rests without looks until ``HOLD_MAX``
-        rows wait.
+        verifies no MTP draft, so its chain rests without looks until
+        ``HOLD_MAX`` rows wait.
 
         No look and no scout is made while no chain could pay
         (``chain_may_pay``): where a verify row costs about a token's share

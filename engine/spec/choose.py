@@ -32,8 +32,7 @@ chains rest, holding their rows, without looks; the others draft as the
 plan says. Copies stay offered to every line, and the plan prices them as
 ever: a copy costs no head forward, and a line that ends at end of
 sequence long before its ``max_tokens`` is not ahead of anything, though
-the drain counts it so. Stopping copies too took a 16-line batch of code
-edits 100 steps where copies alone took 92.
+the drain counts it so (README, "The defaults choose", has the figures).
 A line a token or two ahead of the others is not among them while drafts
 pay: stopping it would make it the last. A line that ends on its own (end
 of sequence, a stop string) cannot be told apart early; it counts as having
