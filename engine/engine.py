@@ -22,10 +22,11 @@ may read it at any time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -183,6 +184,15 @@ class Engine:
         that can block should hand its items over from a reader thread and
         yield ``None`` when none is ready, so running sequences never wait
         for input."""
+        with contextlib.closing(self.steps(requests)) as steps:
+            for results in steps:
+                yield from results
+
+    def steps(self, requests: Iterable[Request | None]) -> Generator[list[Result], None, None]:
+        """``generate`` a step at a time: one list per step, of the results
+        that step finished (often none), and one per rejected request. Lets
+        a caller run other work between steps: the budget bench has several
+        engines take turns step by step (``bench/budget.py``)."""
         stream = iter(requests)
         self.calibrate()
         self._started, self._generating = time.perf_counter(), True
@@ -194,7 +204,7 @@ class Engine:
                 self._budget.costs.save()
             self._publish()
 
-    def _run(self, stream: Iterator[Request | None]) -> Iterator[Result]:
+    def _run(self, stream: Iterator[Request | None]) -> Iterator[list[Result]]:
         self._stream_done = False
         while True:
             # Pull only what the free slots can take this step, so a huge
@@ -214,7 +224,7 @@ class Engine:
                 if problem is not None:
                     self._counters.requests_failed += 1
                     self._publish()
-                    yield error_result(request, problem)
+                    yield [error_result(request, problem)]
                     continue
                 self._waiting.append(request)
             if not (self._waiting or self._prefilling or self._decoding):
@@ -223,7 +233,7 @@ class Engine:
                 if idle_source:
                     time.sleep(_IDLE_POLL_S)
                 continue
-            yield from self._step()
+            yield self._step()
 
     # -- the step -----------------------------------------------------------
 

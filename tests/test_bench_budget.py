@@ -3,9 +3,19 @@ configuration is best, and the budget's ratio to it, of medians and paired."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import cast
+
 import pytest
 
-from metrale.engine.bench.budget import summarise
+from metrale.engine.api import Request, SamplingParams
+from metrale.engine.bench.budget import step_by_step, summarise
+from metrale.engine.config import EngineConfig
+from metrale.engine.load.loader import LoadedModel
+from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
+from tests.fake_model import FakeModel, FakeMtp, byte_decode, reference_greedy
 
 
 def test_the_paired_ratio_is_the_median_of_the_ratios_within_each_round() -> None:
@@ -36,3 +46,51 @@ def test_the_best_fixed_configuration_has_the_highest_median_and_never_is_auto()
     assert row.best == "copies" and row.rates["copies"] == 60.0  # above MTP's 55, a slow round
     assert row.ratio == pytest.approx(99.0 / 60.0)
     assert row.paired == pytest.approx(99.0 / 60.0)
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_configurations_take_turns_step_by_step_each_on_its_own_model(
+    one_at_a_time: bool,
+) -> None:
+    order: list[str] = []
+
+    def loaded(key: str) -> LoadedModel:
+        model = FakeModel(num_slots=4)
+        forward = model.forward
+
+        def counted(segments: Sequence[Segment], logits: LogitRows = "all") -> ForwardOutput:
+            order.append(key)
+            return forward(segments, logits)
+
+        model.forward = counted  # type: ignore[method-assign]
+        fake = SimpleNamespace(
+            model=model,
+            mtp=[FakeMtp(model, "right")],
+            tokenizer=byte_decode,
+            eos_token_ids=(),
+            name="fake",
+        )
+        return cast(LoadedModel, fake)
+
+    fixed: dict[str, object] = {"max_batch": 4, "prompt_lookup": None, "draft_policy": "fixed"}
+    configs = {
+        "no drafts": EngineConfig(mtp=False, **fixed),  # type: ignore[arg-type]
+        "MTP": EngineConfig(**fixed),  # type: ignore[arg-type]
+    }
+    models = {key: loaded(key) for key in configs}
+    requests = [Request(str(i), (i + 1, 2, 3), SamplingParams(max_tokens=40)) for i in range(3)]
+    measured = step_by_step(models, configs, requests, one_at_a_time, round_=1)
+
+    reference = FakeModel(num_slots=4)
+    for seconds, outputs in measured.values():
+        assert seconds > 0
+        assert {k: list(v) for k, v in outputs.items()} == {
+            r.request_id: reference_greedy(reference, r.prompt_ids, 40) for r in requests
+        }
+    # Round 1: the second configuration goes first, then they alternate step
+    # by step (a step is one forward or a few) until the MTP engine, whose
+    # oracle drafts are always accepted, is done; the other one ends alone.
+    turns = [key for key, _ in itertools.groupby(order)]
+    assert turns[:6] == ["MTP", "no drafts"] * 3
+    assert turns.count("MTP") >= 3 and turns[-1] == "no drafts"
+    assert turns == ["MTP", "no drafts"] * turns.count("MTP")

@@ -129,6 +129,25 @@ def test_requests_are_pulled_lazily_and_results_yielded_as_they_finish() -> None
     assert len(remaining) == 5 and pulled < 20
 
 
+def test_steps_hand_back_each_step_and_add_up_to_generate() -> None:
+    # Two lines at once, no drafts, 4 tokens each: the first step reads the
+    # prompts, emits their first tokens and verifies them (a second token),
+    # then two more verifies.
+    stream = [
+        Request("a", (1, 2, 3), SamplingParams(max_tokens=4)),
+        Request("", (), SamplingParams(max_tokens=4)),
+        Request("b", (4, 5, 6), SamplingParams(max_tokens=4)),
+    ]
+    engine, _ = make_engine("off", FakeModel(num_slots=2), eos=(), max_batch=2)
+    steps = list(engine.steps(stream))
+    assert [r.finish_reason for r in steps[0]] == ["error"]  # the empty prompt, at once
+    assert all(step == [] for step in steps[1:-1])
+    assert sorted(r.request_id for r in steps[-1]) == ["a", "b"]
+    assert len(steps) == 1 + 3
+    again, _ = make_engine("off", FakeModel(num_slots=2), eos=(), max_batch=2)
+    assert outputs([r for step in steps for r in step]) == outputs(list(again.generate(stream)))
+
+
 def test_a_quiet_source_does_not_hold_back_running_requests() -> None:
     # None from the source means "nothing has arrived yet": the engine must
     # finish what it holds instead of waiting for a full batch.

@@ -1,24 +1,27 @@
 """Benchmark: the draft budget against every fixed choice of draft sources, same run.
 
 ``python -m metrale.engine.bench.budget [WORKLOAD ...]`` (``make bench-budget``)
-loads the default model (or ``--model``) once and, per workload (default: the
-sample workloads), at batch 1 (the first ``--single`` requests, one at a
-time) and at ``--batch`` (the first that many together), times five
-configurations, ``--repeats`` rounds, after an untimed warm-up of each:
+loads the default model (or ``--model``), once per configuration, and, per
+workload (default: the sample workloads), at batch 1 (the first ``--single``
+requests, one at a time) and at ``--batch`` (the first that many together),
+times five configurations, ``--repeats`` rounds, after an untimed warm-up of
+each:
 
 - no drafts; copies only; MTP only; MTP + copies: the fixed policy (the
   ladder and copy windows, ``--draft-policy fixed``);
 - the draft budget over both sources (``--draft-policy auto``, the default).
 
-How they take turns: at ``--batch``, run by run (``take_turns``: every
-configuration decodes the batch once a round, on a fresh engine). At batch
-1, request by request: each round builds a fresh engine per configuration,
-and each engine decodes the requests in order, one at a time as before, but
-the five take turns at every request (who goes first rotates), so each
-configuration's time is spread over the whole round. The speed of a shared
-machine drifts over tens of seconds; a configuration whose whole run fell
-on a slow stretch was measured slow, where now every configuration meets
-the stretch alike.
+How they take turns: step by step. Each round builds a fresh engine per
+configuration, each on its own loaded copy of the model (an engine's caches
+live in the model), and the five run at once, one step of each in turn (who
+goes first rotates every step; ``Engine.steps``); a configuration's time is
+the sum of its own steps. At ``--batch`` an engine decodes the batch as one
+run; at batch 1 it decodes the requests in order, one at a time. The speed
+of a shared machine drifts by 10-40% over tens of seconds: a configuration
+whose run fell on a slow stretch was measured slow, first when each ran a
+whole batch in turn, and still, at 16 sequences, when they took turns run
+by run. Now every configuration meets each stretch alike, whatever the
+batch.
 
 It prints each one's median tokens/s, which fixed configuration was best
 (the highest median), and the budget's ratio to it twice: the ratio of the
@@ -35,15 +38,15 @@ ratios, not absolute figures. No assertion is made: this prints figures.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from metrale.engine.api import Request, SamplingParams
-from metrale.engine.bench.timing import take_turns
+from metrale.engine.api import Request, Result, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine
 from metrale.engine.load.loader import LoadedModel, load_model
@@ -88,29 +91,52 @@ def decode(
     return time.perf_counter() - began, {r.request_id: r.output_ids for r in results}
 
 
-def one_by_one(
-    loaded: LoadedModel, configs: dict[str, EngineConfig], requests: Sequence[Request], round_: int
+def step_by_step(
+    models: dict[str, LoadedModel],
+    configs: dict[str, EngineConfig],
+    requests: Sequence[Request],
+    one_at_a_time: bool,
+    round_: int,
 ) -> dict[str, tuple[float, Outputs]]:
-    """One batch-1 round (module doc): per configuration, the seconds its
-    engine spent on the requests and its outputs."""
-    engines = {key: Engine.from_loaded(loaded, config) for key, config in configs.items()}
+    """One round (module doc): per configuration, the seconds its engine
+    spent in its own steps, and its outputs. Each configuration runs on its
+    own loaded copy of the model (an engine's caches live in the model, and
+    here every engine is mid-run at once)."""
+    keys = list(configs)
+    engines = {key: Engine.from_loaded(models[key], configs[key]) for key in keys}
     for engine in engines.values():
         engine.calibrate()
-    keys = list(configs)
+
+    def steps(engine: Engine) -> Iterator[list[Result]]:
+        if not one_at_a_time:
+            return engine.steps(requests)
+        return itertools.chain.from_iterable(engine.steps([r]) for r in requests)
+
+    running = {key: steps(engines[key]) for key in keys}
     seconds = dict.fromkeys(keys, 0.0)
     outputs: dict[str, Outputs] = {key: {} for key in keys}
-    for index, request in enumerate(requests):
-        shift = (round_ + index) % len(keys)
-        for key in keys[shift:] + keys[:shift]:
+    for turn in itertools.count(round_):
+        live = [key for key in keys if key in running]
+        if not live:
+            break
+        shift = turn % len(live)
+        for key in live[shift:] + live[:shift]:
             began = time.perf_counter()
-            results = list(engines[key].generate([request]))
+            results = next(running[key], None)
             seconds[key] += time.perf_counter() - began
+            if results is None:
+                del running[key]
+                continue
             outputs[key].update((r.request_id, r.output_ids) for r in results)
     return {key: (seconds[key], outputs[key]) for key in keys}
 
 
 def bench_workload(
-    loaded: LoadedModel, name: str, requests: Sequence[Request], batch: int, repeats: int
+    models: dict[str, LoadedModel],
+    name: str,
+    requests: Sequence[Request],
+    batch: int,
+    repeats: int,
 ) -> dict[str, list[float]]:
     """Tokens/s per configuration, round by round; raises on any output difference."""
     configs = {k: EngineConfig(max_batch=batch, **v) for k, v in CONFIGS.items()}  # type: ignore[arg-type]
@@ -121,18 +147,10 @@ def bench_workload(
             raise SystemExit(f"{name}, batch {batch}: {key} changed the greedy output")
         return sum(len(ids) for ids in out.values()) / seconds
 
-    keys = list(configs)
-    for key in keys:  # untimed warm-ups
-        decode(loaded, configs[key], requests[:1], True)
-    if batch == 1:
-        by_round = [one_by_one(loaded, configs, requests, r) for r in range(repeats)]
-        return {key: [rate(key, *measured[key]) for measured in by_round] for key in keys}
-
-    def runner(key: str) -> Callable[[], float]:
-        return lambda: rate(key, *decode(loaded, configs[key], requests, False))
-
-    rounds = take_turns([runner(k) for k in keys], repeats, warmups=[])
-    return dict(zip(keys, rounds, strict=True))
+    for key in configs:  # untimed warm-ups
+        decode(models[key], configs[key], requests[:1], True)
+    by_round = [step_by_step(models, configs, requests, batch == 1, r) for r in range(repeats)]
+    return {key: [rate(key, *measured[key]) for measured in by_round] for key in configs}
 
 
 @dataclass(frozen=True)
@@ -173,7 +191,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.rounds_json is not None:
         args.rounds_json.parent.mkdir(parents=True, exist_ok=True)
     paths = args.workloads or sorted(Path("sample_prompts").glob("*.jsonl"))
-    loaded = load_model(args.model, RuntimeConfig(num_slots=args.batch))
+    runtime = RuntimeConfig(num_slots=args.batch)
+    models = {key: load_model(args.model, runtime) for key in CONFIGS}
+    loaded = models["no drafts"]
     columns = ["workload", "batch", *CONFIGS, "auto / best fixed", "paired", "best fixed"]
     print(f"| {' | '.join(columns)} |")
     print("|" + "---|" * len(columns))
@@ -183,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.batch_one != "yes":
             shapes = shapes[:1] if args.batch_one == "only" else shapes[1:]
         for batch, subset in shapes:
-            rounds = bench_workload(loaded, path.stem, subset, batch, args.repeats)
+            rounds = bench_workload(models, path.stem, subset, batch, args.repeats)
             row = summarise(rounds)
             cells = [f"{row.rates[k]:.1f}" for k in CONFIGS]
             print(
