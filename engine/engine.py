@@ -574,7 +574,7 @@ class Engine:
         budget = self._budget
         feeds: list[DraftFeed] = []
         parts: list[torch.Tensor] = []
-        released = False  # held rows fed: a forward dearer than a step's own
+        released = 0  # held rows fed: a forward dearer than a step's own
         ahead = self._ahead(batch) if budget is not None else set()
         for seq, start, first in zip(batch, starts, first_rows, strict=True):
             if seq.finished:
@@ -587,7 +587,7 @@ class Engine:
                 if not budget.wants_chain(seq, running, seq.slot in ahead):
                     own.hold(start, next_ids, rows)
                     continue
-                released = released or bool(own.held)
+                released += own.held_rows()
                 start, next_ids, rows = own.release(start, next_ids, rows)
             feeds.append(DraftFeed(seq, start, next_ids, self._chain_len(seq, running)))
             parts.append(rows)
@@ -597,8 +597,11 @@ class Engine:
             ran = self._drafter.forwards - forwards
             if self._budget is not None:
                 self._budget.head_fed(len(feeds))
-                if ran and not released:
-                    self._budget.costs.head.observe(len(feeds), (self._clock() - began) / ran)
+                costs, took = self._budget.costs, self._clock() - began
+                if ran and released:
+                    costs.observe_held(released, len(feeds), ran, took)
+                elif ran:
+                    costs.head.observe(len(feeds), took / ran)
 
     def _ahead(self, batch: list[SeqState]) -> set[int]:
         """The slots of the lines that draft nothing this step under the

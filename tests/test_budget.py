@@ -284,6 +284,40 @@ def test_no_chain_could_pay_where_a_row_costs_a_token_and_could_as_the_batch_thi
     assert not budget(0.010).chain_may_pay(1)  # a head as dear as the step takes 1 token
 
 
+def test_a_look_must_repay_the_rows_it_feeds_the_head_before_the_line_ends() -> None:
+    costs = CostModel(FakeClock())
+    costs.verify.observe(1, 0.010)
+    costs.verify.observe(2, 0.011)
+    costs.head.observe(1, 0.001)
+    costs.head.observe(16, 0.008)
+    budget = DraftBudget(costs)
+    # At 1 sequence, 100 tokens/s: a sure draft adds 1 - 0.1 (its row) - 0.1
+    # (the head) = 0.8 token a step at most.
+    margin, rate = budget.chain_margin(1)
+    assert margin == pytest.approx(0.8) and rate == pytest.approx(100.0)
+    # Before a catch-up is measured, a held row costs a sixteenth of the
+    # widest calibrated head forward: 0.5 ms.
+    assert costs.held_row_s() == pytest.approx(0.0005)
+
+    def line(tokens_left: int, held: int) -> SeqState:
+        request = Request("a", (1, 2, 3), SamplingParams(max_tokens=tokens_left))
+        seq = SeqState(request, 0, 1024, frozenset(), None, None)
+        if held:
+            budget.for_seq(seq).hold(3, [5] * held, torch.zeros(held, 4))
+        return seq
+
+    # 100 held rows: 50 ms, 5 tokens at this rate; 0.8 token a step repays
+    # it over 7 tokens left, not over 6.
+    assert budget.look_may_pay(line(7, 100), 1)
+    assert not budget.look_may_pay(line(6, 100), 1)
+    assert budget.look_may_pay(line(1, 0), 1)  # nothing held: a look costs its step only
+    # A catch-up measured: 40 held rows took 4 ms beyond the head's 1 ms.
+    costs.observe_held(40, 1, 1, 0.005)
+    assert costs.held_row_s() == pytest.approx(0.0001)
+    assert budget.look_may_pay(line(2, 100), 1)  # 1 token to repay now
+    assert not budget.look_may_pay(line(1, 100), 1)
+
+
 def test_costs_are_interpolated_between_buckets_and_follow_new_measurements() -> None:
     costs = RunningCosts({1: 2.0, 4: 5.0, 16: 11.0})
     assert costs.predict(2) == pytest.approx(3.0)

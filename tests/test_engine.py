@@ -14,10 +14,19 @@ from metrale.engine.config import EngineConfig, MtpLadder, RuntimeConfig
 from metrale.engine.engine import Engine
 from metrale.engine.load.default_model import ensure_default_model
 from metrale.engine.load.loader import load_model
+from metrale.engine.spec.cost import CostModel
 from metrale.engine.stats import EngineStats
 from metrale.lookup import PromptLookupConfig
 from tests.checkpoints import load_reference_model, write_tiny_checkpoint
-from tests.fake_model import FakeModel, FakeMtp, byte_decode, reference_greedy
+from tests.fake_model import (
+    CostedModel,
+    CostedMtp,
+    FakeClock,
+    FakeModel,
+    FakeMtp,
+    byte_decode,
+    reference_greedy,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -258,30 +267,37 @@ def test_unsure_mtp_drafts_are_held_back_and_the_sequence_may_copy_instead() -> 
 
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
 def test_the_mtp_module_is_fed_every_verified_position_from_the_main_model(policy: str) -> None:
-    model = FakeModel(num_slots=8)
-    mtp = FakeMtp(model, "mixed")
+    # Under auto, CPU-like costs (a row a third of a step): chains rest,
+    # holding their rows, and look now and then, taking them all.
+    clock = FakeClock()
+    model = CostedModel(num_slots=8, clock=clock, cost=lambda rows: 0.010 + 0.003 * rows)
+    mtp = CostedMtp(model, "mixed", cost=0.0005)
     config = EngineConfig(prompt_lookup=LOOKUP, draft_policy=policy)
-    engine = Engine(model, None, config, mtp=[mtp])
+    engine = Engine(model, None, config, mtp=[mtp], costs=CostModel(clock))
     engine.calibrate()
     model.forwards.clear()  # the budget's calibration verifies come first
     results = outputs(list(engine.generate(requests(PROMPTS[:4], max_tokens=30))))
     slot_of = {s.slot: s for s in model.forwards[0]}  # the first prefill admits all four
+    checked = 0  # positions checked past the prompt
     for slot, seg in slot_of.items():
         prompt = list(seg.token_ids)
         rid = str(PROMPTS.index(prompt))
         history = prompt + results[rid]
         last_start = max(s.start for f in model.forwards for s in f if s.slot == slot)
         if policy == "auto":
-            # A resting chain's last rows may still wait when its request ends;
-            # every row fed is final, and the rows fed run from 0 without a gap.
+            # A resting chain's rows may still wait when its request ends (a
+            # chain that never looked: all of them); every row fed is final,
+            # and the rows fed run from 0 without a gap.
             fed = [pos for (s, pos) in mtp.fed if s == slot]
-            assert sorted(fed) == list(range(len(fed))) and len(fed) >= len(prompt)
+            assert sorted(fed) == list(range(len(fed)))
             last_start = min(last_start, len(fed) - 1)
         for pos in range(last_start):
             context, token = mtp.fed[(slot, pos)]
             assert (
                 context == tuple(history[max(0, pos - 1) : pos + 1]) and token == history[pos + 1]
             )
+        checked += max(last_start - len(prompt), 0)
+    assert checked > 0
 
 
 def test_the_stats_snapshot_can_be_read_from_another_thread_while_generating() -> None:

@@ -85,6 +85,12 @@ HOLD_MAX = 512
 SHARERS_ALPHA = 0.2
 
 
+def tokens_left(seq: SeqState) -> int:
+    """The most tokens ``seq`` may still write: by ``max_tokens`` and its slot's room."""
+    room = seq.max_len - max(seq.seq_len, seq.prompt_len)
+    return min(room, seq.request.params.max_tokens - len(seq.output_ids))
+
+
 def confidence_bin(top_prob: float) -> int:
     for index, edge in enumerate(CONFIDENCE_EDGES):
         if top_prob < edge:
@@ -260,26 +266,52 @@ class DraftBudget:
         the head's share, where a first draft is worth less than its row."""
         if self.chain_value is not None:
             return self.chain_value
-        rate, marginal = self.rate_s, self.marginal_s
-        if not self._planned:  # before the first plan: a step of ``live`` rows
-            rate = live / self.costs.step_s(live)
-            marginal = self._marginal(live, live)
+        rate, marginal = self._pricing(live)
         return self.rates.rate(("mtp", 0)) - rate * marginal
 
+    def _pricing(self, live: int) -> tuple[float, float]:
+        """The rate (tokens/s) and the cost of a verify row that a draft is
+        priced at: the last plan's, or before the first plan, a plain step
+        of ``live`` rows'."""
+        if self._planned:
+            return self.rate_s, self.marginal_s
+        step_s = self.costs.step_s(live)
+        rate = live / step_s if step_s > 0 else 0.0
+        return rate, self._marginal(live, live)
+
     def chain_may_pay(self, live: int) -> bool:
-        """Whether any chain could pay at these costs: a first draft sure to
-        be accepted, verified on a plain step of ``live`` rows, against its
-        verify row and its share of a head forward that all ``live``
-        sequences share, at that step's rate. The bound is the most a chain
-        can be worth: it takes no account of the copies or drafts the plan
-        would otherwise verify (a chain only ever replaces them), nor of how
-        few sequences a head forward lately fed."""
+        """Whether any chain could pay at these costs (``chain_margin`` > 0)."""
+        return self.chain_margin(live)[0] > 0
+
+    def chain_margin(self, live: int) -> tuple[float, float]:
+        """The most a chain could add a step, in tokens, and the rate that
+        prices it: a first draft sure to be accepted, verified on a plain
+        step of ``live`` rows, less its verify row and its share of a head
+        forward that all ``live`` sequences share, at that step's rate. The
+        bound is the most a chain can be worth: it takes no account of the
+        copies or drafts the plan would otherwise verify (a chain only ever
+        replaces them), nor of how few sequences a head forward lately fed."""
         step_s = self.costs.step_s(live)
         if step_s <= 0:  # nothing measured yet
-            return True
+            return 1.0, 0.0
         rate = live / step_s
         head_s = self.costs.head.predict(live) / live
-        return 1.0 - rate * self._marginal(live, live) > rate * head_s
+        return 1.0 - rate * (self._marginal(live, live) + head_s), rate
+
+    def look_may_pay(self, seq: SeqState, live: int) -> bool:
+        """Whether a look at ``seq``'s resting chain could pay for itself:
+        the most the chain could add a step (``chain_margin``), over every
+        token the line has left to write (a step makes one at least), against
+        the head's time over the rows the chain holds, which the look feeds
+        it (``CostModel.held_row_s``). Without the held rows, a batch's
+        lines looked at their chains with a hundred rows held apiece where a
+        chain could add nothing, and near their ends, where it had no steps
+        left to repay the feed."""
+        margin, rate = self.chain_margin(live)
+        if margin <= 0:
+            return False
+        held = self.for_seq(seq).held_rows()
+        return margin * tokens_left(seq) > rate * held * self.costs.held_row_s()
 
     # -- the plan -------------------------------------------------------------
 
@@ -370,11 +402,12 @@ class DraftBudget:
         verifies no MTP draft, so its chain rests without looks until
         ``HOLD_MAX`` rows wait.
 
-        No look and no scout is made while no chain could pay
-        (``chain_may_pay``): where a verify row costs about a token's share
-        of the step, every look would be a head forward, held prompt and
-        all, for nothing. Looks resume as soon as the costs allow, as a
-        batch thins out."""
+        No look and no scout is made while it could not pay for the head's
+        time over the rows the chain holds (``look_may_pay``): where a
+        verify row costs about a token's share of the step, every look would
+        be a head forward, held prompt and all, for nothing. Looks resume as
+        soon as the costs allow, as a batch thins out, unless the line is
+        too near its end."""
         budget = self.for_seq(seq)
         if ahead and budget.held_rows() < HOLD_MAX:
             return False
@@ -391,7 +424,7 @@ class DraftBudget:
         if budget.held_rows() >= HOLD_MAX:
             budget.since_chain = 0
             return True
-        if not self.chain_may_pay(live):
+        if not self.look_may_pay(seq, live):
             return False
         if not valued:
             if self._scouted == self._planned or self._planned % self._scout_every:

@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metrale.engine.sequence import SeqState
-from metrale.engine.spec.budget import Candidates, DraftBudget
+from metrale.engine.spec.budget import Candidates, DraftBudget, tokens_left
 from metrale.engine.spec.copies import CopyTaken, copy_path_cap, propose_copy
 from metrale.lookup import PromptLookupConfig, SharedLookup
 
@@ -116,18 +116,13 @@ def lines_ahead(decoding: Sequence[SeqState], prefilling: Sequence[SeqState]) ->
     lines = [*decoding, *prefilling]
     if len(lines) < 2:
         return set()
-    slowest = max(_tokens_left(s) / max(_tokens_a_verify(s), 1.0) for s in lines)
-    return {s.slot for s in decoding if _tokens_left(s) < slowest}
+    slowest = max(tokens_left(s) / max(_tokens_a_verify(s), 1.0) for s in lines)
+    return {s.slot for s in decoding if tokens_left(s) < slowest}
 
 
 def _tokens_a_verify(seq: SeqState) -> float:
     stats = seq.stats
     return stats.verify_tokens / stats.verifies if stats.verifies else 1.0
-
-
-def _tokens_left(seq: SeqState) -> int:
-    room = seq.max_len - max(seq.seq_len, seq.prompt_len)
-    return min(room, seq.request.params.max_tokens - len(seq.output_ids))
 
 
 def score_offers(

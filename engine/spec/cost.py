@@ -26,6 +26,12 @@ Contract:
   the same way, measured as the run's calls to the drafter take it (its
   Python and reads included); ``other_s`` the rest of a step (sampling,
   lookup, grammar, Python), one running figure.
+- ``held_row_s``: what a row held back while a chain rested adds to the
+  head forward that takes it (``observe_held``: what such a forward took
+  beyond ``head``'s figure for its feeds, per held row), one running
+  figure. Until one is measured, a held row is priced as a feed of its own
+  in the widest calibrated head forward: dearer than it is, for that feed
+  also reads a draft's logits.
 - ``calibrate`` warm-starts ``verify`` from a few forwards at chosen widths,
   and, when the run has a head, ``head`` from a few drafter calls feeding 1,
   2, 4... sequences a row each. Without that, a run whose chains rest from
@@ -181,6 +187,7 @@ class CostModel:
         self.head = RunningCosts()
         self.other_s = 0.0
         self._other_seen = False
+        self._held_row_s: float | None = None
         self.calibrated = False
 
     def step_s(self, rows: int) -> float:
@@ -195,6 +202,26 @@ class CostModel:
         else:
             spike = SPIKE * self.other_s if self.other_s > 0 else seconds
             self.other_s += ALPHA * (min(seconds, spike) - self.other_s)
+
+    def held_row_s(self) -> float:
+        """Seconds a held row adds to the head forward that takes it (module doc)."""
+        if self._held_row_s is not None:
+            return self._held_row_s
+        widest = max(self.head.table(), default=0)
+        return self.head.predict(widest) / widest if widest else 0.0
+
+    def observe_held(self, rows: int, feeds: int, forwards: int, seconds: float) -> None:
+        """A drafter call feeding ``feeds`` sequences ran ``forwards`` head
+        forwards in ``seconds``, ``rows`` held rows among what the first took."""
+        if rows <= 0:
+            return
+        per_row = max(seconds - forwards * self.head.predict(feeds), 0.0) / rows
+        held = self._held_row_s
+        if held is None:
+            self._held_row_s = per_row
+        else:
+            spike = SPIKE * held if held > 0 else per_row
+            self._held_row_s = held + ALPHA * (min(per_row, spike) - held)
 
     def calibrate(
         self,
