@@ -419,8 +419,10 @@ class Engine:
         budget = self._budget
         if budget is not None and seq.prompt_len <= HOLD_MAX:
             own = budget.for_seq(seq)
-            running = sum(1 for s in self._decoding if not s.finished)
-            if not complete or not budget.wants_chain(seq, max(running, 1)):
+            # Every line admitted shares the steps to come, those whose
+            # prompts are still being read too.
+            live = sum(1 for s in self._decoding if not s.finished) + len(self._prefilling)
+            if not complete or not budget.wants_chain(seq, max(live, 1)):
                 own.hold(start, next_ids, rows)
                 return None
             start, next_ids, rows = own.release(start, next_ids, rows)

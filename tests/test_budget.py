@@ -215,6 +215,24 @@ def test_where_drafts_do_not_pay_the_head_reads_no_prompt() -> None:
     assert read["dear"] == set() and forwards["dear"] == 0
 
 
+def test_a_line_admitted_with_others_prices_its_chain_at_the_whole_batch() -> None:
+    # A row a third of a step: at the prior's acceptance a first draft is
+    # worth a little more than its row at one line, less at four. The four
+    # are admitted in one prefill, one after another; priced at the lines
+    # decoding so far (1, 2, 3, then 4), each chain was worth its head share,
+    # and the head read all four prompts in its first forward. Priced at the
+    # four, only the run's scout reads one; later scouts read one each.
+    engine, model = costed_engine("cpu", mtp_mode="wrong")
+    prompts = [p * 2 for p in PROMPTS]
+    assert generate(engine, prompts) == [reference_greedy(model, p, 40) for p in prompts]
+    assert engine._drafter is not None
+    head = engine._drafter.modules[0]
+    assert isinstance(head, CostedMtp)
+    read = [{s.slot for s in segments if s.start == 0} for segments, _ in head.forwards]
+    assert read[0] == {0}
+    assert all(len(slots) <= 1 for slots in read)
+
+
 def test_no_look_is_made_while_a_sure_draft_would_not_pay_its_row_and_the_head() -> None:
     forwards = {}
     for head_cost in (0.0, 0.004):
@@ -554,13 +572,14 @@ def test_in_a_drain_a_line_ahead_still_verifies_its_copies() -> None:
 
 
 def test_the_figures_add_up_under_the_budget() -> None:
-    engine, _ = costed_engine("cpu", mtp_mode="mixed", lookup=LOOKUP)
+    # A head that is always right: a scout shows it, and chains run.
+    engine, _ = costed_engine("cpu", mtp_mode="right", lookup=LOOKUP)
     reqs = [Request(str(i), tuple(p), SamplingParams(max_tokens=40)) for i, p in enumerate(PROMPTS)]
     check_figures_add_up(engine, list(engine.generate(reqs)))
 
 
 def test_the_cost_model_predicts_the_steps_it_measures() -> None:
-    engine, _ = costed_engine("cpu", mtp_mode="mixed", lookup=LOOKUP)
+    engine, _ = costed_engine("cpu", mtp_mode="right", lookup=LOOKUP)
     generate(engine, PROMPTS, max_tokens=40)
     budget = engine.stats().budget
     assert budget is not None and budget.steps > 10
