@@ -302,6 +302,30 @@ def test_no_chain_could_pay_where_a_row_costs_a_token_and_could_as_the_batch_thi
     assert not budget(0.010).chain_may_pay(1)  # a head as dear as the step takes 1 token
 
 
+def test_a_chain_may_pay_by_its_confidence_bins_as_often_as_the_run_meets_them() -> None:
+    costs = CostModel(FakeClock())
+    # At 4 sequences: a 20 ms step, 1.25 ms a row; 200 tokens/s prices a
+    # row at 0.25 token, and the head's share (4 ms / 4) at 0.2.
+    for rows, seconds in ((4, 0.020), (8, 0.025)):
+        costs.verify.observe(rows, seconds)
+    costs.head.observe(4, 0.004)
+    budget = DraftBudget(costs)
+    assert budget.chain_margin(4)[0] == pytest.approx(1.0 - 0.25 - 0.2)  # nothing scored: sure
+    # 40 first drafts at low confidence, none accepted; 10 in the top bin,
+    # all accepted: worth (1 - 0.25) a fifth of the steps, 0.15 token, under
+    # the head's 0.2.
+    for _ in range(40):
+        budget.rates.observe(("mtp", 0, 0), False)
+    for _ in range(10):
+        budget.rates.observe(("mtp", 0, 5), True)
+    assert not budget.chain_may_pay(4)
+    # Four times as many in the top bin: worth 0.75 * 40/80 = 0.375 token.
+    for _ in range(30):
+        budget.rates.observe(("mtp", 0, 5), True)
+    assert budget.chain_may_pay(4)
+    assert budget.chain_margin(4)[0] == pytest.approx(0.175, abs=0.02)
+
+
 def test_a_look_must_repay_the_rows_it_feeds_the_head_before_the_line_ends() -> None:
     costs = CostModel(FakeClock())
     costs.verify.observe(1, 0.010)

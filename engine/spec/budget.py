@@ -125,6 +125,10 @@ class Rates:
             base = self.rate(parent) if parent is not None else FIRST_PRIOR
         return (accepted + self.strength * base) / (seen + self.strength)
 
+    def counts(self, key: Key) -> tuple[float, float]:
+        """The decayed (accepted, seen) counts of ``key`` itself."""
+        return self._counts.get(key, (0.0, 0.0))
+
     def observe(self, key: Key, accepted: bool) -> None:
         old_accepted, old_seen = self._counts.get(key, (0.0, 0.0))
         self._counts[key] = (old_accepted * self.decay + accepted, old_seen * self.decay + 1.0)
@@ -285,18 +289,33 @@ class DraftBudget:
 
     def chain_margin(self, live: int) -> tuple[float, float]:
         """The most a chain could add a step, in tokens, and the rate that
-        prices it: a first draft sure to be accepted, verified on a plain
-        step of ``live`` rows, less its verify row and its share of a head
-        forward that all ``live`` sequences share, at that step's rate. The
-        bound is the most a chain can be worth: it takes no account of the
-        copies or drafts the plan would otherwise verify (a chain only ever
-        replaces them), nor of how few sequences a head forward lately fed."""
+        prices it, on a plain step of ``live`` rows at that step's rate:
+        its first draft's worth less its verify row, where the plan would
+        verify it, less its share of a head forward that all ``live``
+        sequences share, which it pays every step. The first draft's worth
+        is read per confidence bin, weighed by how often the run's first
+        drafts fell in it, each bin's acceptance taken as high as its counts
+        allow (a bin seen little is believed sure): a head whose top bin is
+        right but rare is worth that bin's share of steps. Before any first
+        draft was scored, a draft sure to be accepted. The bound takes no
+        account of the copies or drafts the plan would otherwise verify (a
+        chain only ever replaces them), nor of how few sequences a head
+        forward lately fed."""
         step_s = self.costs.step_s(live)
         if step_s <= 0:  # nothing measured yet
             return 1.0, 0.0
         rate = live / step_s
-        head_s = self.costs.head.predict(live) / live
-        return 1.0 - rate * (self._marginal(live, live) + head_s), rate
+        row = rate * self._marginal(live, live)
+        head = rate * self.costs.head.predict(live) / live
+        bins = [self.rates.counts(("mtp", 0, b)) for b in range(len(CONFIDENCE_EDGES) + 1)]
+        total = sum(seen for _, seen in bins)
+        if total <= 0:
+            return 1.0 - row - head, rate
+        worth = sum(
+            seen / total * max((accepted + RUN_STRENGTH) / (seen + RUN_STRENGTH) - row, 0.0)
+            for accepted, seen in bins
+        )
+        return worth - head, rate
 
     def look_may_pay(self, seq: SeqState, live: int) -> bool:
         """Whether a look at ``seq``'s resting chain could pay for itself:
