@@ -84,7 +84,7 @@ bench-grammar: setup
 # only and both under the fixed policy, at batch 1 and 16, on the sample
 # workloads and the held-out bench_prompts/ sets nothing was tuned on.
 bench-budget: setup
-	$(PY) -m metrale.engine.bench.budget sample_prompts/*.jsonl bench_prompts/code_gen.jsonl bench_prompts/math_steps.jsonl bench_prompts/chat_tasks.jsonl --rounds-json build/bench_budget_rounds.json
+	$(PY) -m metrale.engine.bench.budget sample_prompts/*.jsonl bench_prompts/code_gen.jsonl bench_prompts/math_steps.jsonl bench_prompts/chat_tasks.jsonl bench_prompts/table_tasks.jsonl --rounds-json build/bench_budget_rounds.json
 
 # The same job in one process and on a local Ray (--ray local --ray-workers 2),
 # the outputs checked identical, tok/s of both and their ratio.
