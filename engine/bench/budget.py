@@ -77,18 +77,9 @@ def read_requests(path: Path, loaded: LoadedModel, max_tokens: int | None) -> li
     return requests
 
 
-def decode(
-    loaded: LoadedModel, config: EngineConfig, requests: Sequence[Request], one_at_a_time: bool
-) -> tuple[float, Outputs]:
-    """Seconds and outputs of one run on a fresh engine (calibrated first)."""
-    engine = Engine.from_loaded(loaded, config)
-    engine.calibrate()
-    began = time.perf_counter()
-    if one_at_a_time:
-        results = [r for request in requests for r in engine.generate([request])]
-    else:
-        results = list(engine.generate(requests))
-    return time.perf_counter() - began, {r.request_id: r.output_ids for r in results}
+def warm_up(loaded: LoadedModel, config: EngineConfig, request: Request) -> None:
+    """An untimed run of one request on a fresh engine (its calibration taken)."""
+    list(Engine.from_loaded(loaded, config).generate([request]))
 
 
 def step_by_step(
@@ -148,7 +139,7 @@ def bench_workload(
         return sum(len(ids) for ids in out.values()) / seconds
 
     for key in configs:  # untimed warm-ups
-        decode(models[key], configs[key], requests[:1], True)
+        warm_up(models[key], configs[key], requests[0])
     by_round = [step_by_step(models, configs, requests, batch == 1, r) for r in range(repeats)]
     return {key: [rate(key, *measured[key]) for measured in by_round] for key in configs}
 

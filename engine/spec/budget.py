@@ -270,18 +270,12 @@ class DraftBudget:
         the head's share, where a first draft is worth less than its row."""
         if self.chain_value is not None:
             return self.chain_value
-        rate, marginal = self._pricing(live)
+        rate, marginal = self.rate_s, self.marginal_s
+        if not self._planned:  # before the first plan: a step of ``live`` rows
+            step_s = self.costs.step_s(live)
+            rate = live / step_s if step_s > 0 else 0.0
+            marginal = self._marginal(live, live)
         return self.rates.rate(("mtp", 0)) - rate * marginal
-
-    def _pricing(self, live: int) -> tuple[float, float]:
-        """The rate (tokens/s) and the cost of a verify row that a draft is
-        priced at: the last plan's, or before the first plan, a plain step
-        of ``live`` rows'."""
-        if self._planned:
-            return self.rate_s, self.marginal_s
-        step_s = self.costs.step_s(live)
-        rate = live / step_s if step_s > 0 else 0.0
-        return rate, self._marginal(live, live)
 
     def chain_may_pay(self, live: int) -> bool:
         """Whether any chain could pay at these costs (``chain_margin`` > 0)."""
