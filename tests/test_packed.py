@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine, calibration_key
-from metrale.engine.kernels.binding import PackedKernel, packed_kernel
+from metrale.engine.kernels.binding import PackedKernel, kernel_built_with, packed_kernel
 from metrale.engine.load.gguf_convert import packed_blocks
 from metrale.engine.load.loader import load_model
 from metrale.engine.runtime.packed import PACKED_FILE, PackedStore, PackedWeight, save_packed
@@ -91,6 +91,36 @@ def test_a_row_result_does_not_depend_on_its_batch(kernel: PackedKernel, fmt: st
     try:  # the threads split the outputs differently, never a sum
         torch.set_num_threads(1)
         assert torch.equal(weight.matmul(x), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in line.split() for line in text.splitlines() if line.startswith("flags"))
+
+
+@pytest.mark.skipif(not _cpu_has("avx512f"), reason="no AVX-512 here: one build, one path")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_avx512_paths_give_the_bits_of_the_8_wide_ones(kernel: PackedKernel, fmt: str) -> None:
+    # The same source built without AVX-512 takes the 8-wide paths: every
+    # shape either way (one row, the register paths to six, the tiles past
+    # them, an odd strip left from the pairs) and both thread splits.
+    narrow = kernel_built_with("-mno-avx512f")
+    assert narrow.build != kernel.build
+    weight, _ = packed(kernel, random_weight(150, 192, seed=9), fmt)  # 19 strips
+    x = torch.randn(70, 192, generator=torch.Generator().manual_seed(10))
+    threads = torch.get_num_threads()
+    try:
+        for count in {1, threads}:
+            torch.set_num_threads(count)
+            for rows in (1, 2, 3, 4, 5, 6, 7, 12, 16, 70):
+                wide = kernel.linear(fmt, x[:rows], weight.tiles, weight.tile_scales, 150)
+                eight = narrow.linear(fmt, x[:rows], weight.tiles, weight.tile_scales, 150)
+                assert torch.equal(wide, eight), (count, rows)
     finally:
         torch.set_num_threads(threads)
 

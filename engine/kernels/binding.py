@@ -357,12 +357,21 @@ def packed_kernel() -> PackedKernel | None:
         return None
 
 
-def _build() -> Path:
+def kernel_built_with(*extra_flags: str) -> PackedKernel:
+    """The kernels built with ``extra_flags`` after the usual ones, beside
+    the library ``packed_kernel()`` loads (tests: ``-mno-avx512f`` gives the
+    8-wide paths on a CPU with AVX-512, whose bits the wide ones must give)."""
+    library = _build(extra_flags)
+    return PackedKernel(ctypes.CDLL(str(library)), library.stem.rsplit("-", 1)[-1])
+
+
+def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    flags = (*FLAGS, *extra_flags)
     source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode() + _cpu_id()).hexdigest()
+    key = hashlib.sha256(source + " ".join((compiler, *flags)).encode() + _cpu_id()).hexdigest()
     target = metrale_home() / "kernels" / f"metrale-kernels-{key[:16]}.so"
     if target.exists():
         return target
@@ -370,7 +379,7 @@ def _build() -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         built = Path(work) / target.name
         result = subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)],
+            [compiler, *flags, *map(str, SOURCES), "-o", str(built)],
             capture_output=True,
             text=True,
             timeout=300,

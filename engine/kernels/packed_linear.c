@@ -45,7 +45,19 @@
  * prefill chunk the same as in a step of its own. The portable path sums in
  * the same order with fmaf, so it gives the same bits.
  *
- * Built on first use by metrale/engine/packed_kernel.py with the system C
+ * Wider registers: where the compiler targets AVX-512 (-march=native on a
+ * CPU that has it), the tiles and the register paths hold two strips in one
+ * 16-wide register (strip s in lanes 0-7, s + 1 in 8-15: side by side in a
+ * decoded chunk already, one strip block apart in the packed bytes) and use
+ * the 32 registers for more rows x strips a tile. Twice the lanes per FMA
+ * halve the arithmetic each row adds, which is most of a wide verify's and a
+ * prefill chunk's work (a one-row step, bound by the decode and the memory
+ * bus, gains little). Every lane does what an 8-wide lane does, the same
+ * decode and the same FMA chain in ascending k, so a library built with
+ * AVX-512 and one built without give the same bits (tests/test_packed.py
+ * builds both). A strip left over from the pairs takes the 8-wide code.
+ *
+ * Built on first use by metrale/engine/kernels/binding.py with the system C
  * compiler (-O3 -march=native -fopenmp -ffp-contract=off: no fused
  * multiply-add may merge the two roundings of the Q4_1 decode). OpenMP
  * resolves to the runtime torch has already loaded, so both share one
@@ -60,6 +72,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define METRALE_AVX2 1
+#if defined(__AVX512F__)
+#define METRALE_AVX512 1
+#endif
 #endif
 
 enum { FORMAT_Q4_1 = 0, FORMAT_Q8_0 = 1, FORMAT_BF16 = 2 };
@@ -284,9 +299,75 @@ static void run_tile(int R, int S, const float *x, int64_t K, const float *w, in
 }
 #endif
 
+#ifdef METRALE_AVX512
+/* AVX-512 (module doc, "Wider registers"): R rows x D strip pairs, each pair
+ * one 16-wide accumulator (strips s and s + 1 side by side, as the decoded
+ * chunk holds them). Up to 6 x 4 accumulators, the 4 weight vectors and the
+ * broadcast fit the 32 registers. */
+#define TZ_EACH(op) \
+    op(0, 0) op(0, 1) op(0, 2) op(0, 3) op(1, 0) op(1, 1) op(1, 2) op(1, 3) \
+    op(2, 0) op(2, 1) op(2, 2) op(2, 3) op(3, 0) op(3, 1) op(3, 2) op(3, 3) \
+    op(4, 0) op(4, 1) op(4, 2) op(4, 3) op(5, 0) op(5, 1) op(5, 2) op(5, 3)
+#define TZ_ON(r, p) (R > (r) && D > (p))
+#define TZ_LOAD(r, p) \
+    __m512 z##r##p = TZ_ON(r, p) ? _mm512_loadu_ps(acc + (r) * COLS + (p) * 2 * LANES) : _mm512_setzero_ps();
+#define TZ_STORE(r, p) \
+    if (TZ_ON(r, p)) _mm512_storeu_ps(acc + (r) * COLS + (p) * 2 * LANES, z##r##p);
+#define TZ_FMA(r, p) \
+    if (TZ_ON(r, p)) z##r##p = _mm512_fmadd_ps(xb, w##p, z##r##p);
+#define TZ_ROW(r) \
+    if (R > (r)) {                                                      \
+        const __m512 xb = _mm512_set1_ps(x[(r) * K + k]);               \
+        TZ_FMA(r, 0) TZ_FMA(r, 1) TZ_FMA(r, 2) TZ_FMA(r, 3)             \
+    }
+#define TZ_W(p) \
+    const __m512 w##p = D > (p) ? _mm512_loadu_ps(w + k * COLS + (p) * 2 * LANES) : _mm512_setzero_ps();
+
+static inline __attribute__((always_inline)) void tile_pairs(
+    const int R, const int D, const float *x, int64_t K, const float *w, int kc, float *acc) {
+    TZ_EACH(TZ_LOAD)
+    for (int k = 0; k < kc; k++) {
+        TZ_W(0) TZ_W(1) TZ_W(2) TZ_W(3)
+        TZ_ROW(0) TZ_ROW(1) TZ_ROW(2) TZ_ROW(3) TZ_ROW(4) TZ_ROW(5)
+    }
+    TZ_EACH(TZ_STORE)
+}
+#undef TZ_EACH
+#undef TZ_ON
+#undef TZ_LOAD
+#undef TZ_STORE
+#undef TZ_FMA
+#undef TZ_ROW
+#undef TZ_W
+
+static void run_tile_pairs(int R, int D, const float *x, int64_t K, const float *w, int kc, float *acc) {
+#define PAIR_CASE(r, d) \
+    case (r) * 8 + (d): tile_pairs(r, d, x, K, w, kc, acc); break;
+#define PAIR_ROWS(r) PAIR_CASE(r, 1) PAIR_CASE(r, 2) PAIR_CASE(r, 3) PAIR_CASE(r, 4)
+    switch (R * 8 + D) {
+        PAIR_ROWS(1) PAIR_ROWS(2) PAIR_ROWS(3) PAIR_ROWS(4) PAIR_ROWS(5) PAIR_ROWS(6)
+    default: break; /* unreachable: product() asks only for these */
+    }
+#undef PAIR_ROWS
+#undef PAIR_CASE
+}
+#endif
+
 /* acc [M][COLS] += x[:, chunk] @ w, w the decoded chunk [kc][COLS] of `strips`
  * strips. */
 static void product(const float *x, int64_t M, int64_t K, const float *w, int kc, int strips, float *acc) {
+#ifdef METRALE_AVX512
+    for (int64_t m = 0; m < M; m += TILE_ROWS) {
+        const int rows = (int)(M - m < TILE_ROWS ? M - m : TILE_ROWS);
+        int c = 0;
+        for (int pairs; (pairs = (strips - c) / 2) > 0; c += 2 * pairs) {
+            pairs = pairs < 4 ? pairs : 4;
+            run_tile_pairs(rows, pairs, x + m * K, K, w + c * LANES, kc, acc + m * COLS + c * LANES);
+        }
+        if (c < strips) /* an odd strip left: the 8-wide tile */
+            run_tile(rows, 1, x + m * K, K, w + c * LANES, kc, acc + m * COLS + c * LANES);
+    }
+#else
     for (int64_t m = 0; m < M; m += TILE_ROWS) {
         const int rows = (int)(M - m < TILE_ROWS ? M - m : TILE_ROWS);
         const int widest = rows == 1 ? 8 : rows <= 3 ? 4 : rows == 4 ? 3 : 2;
@@ -298,6 +379,7 @@ static void product(const float *x, int64_t M, int64_t K, const float *w, int kc
             c += width;
         }
     }
+#endif
 }
 
 #ifdef METRALE_AVX2
@@ -475,13 +557,186 @@ static void run_rows(int format, int R, int S, const float *x, int64_t K, const 
 #undef ROWS_CASE
 }
 
+#ifdef METRALE_AVX512
+/* The register paths again with AVX-512 (module doc, "Wider registers"):
+ * column k of strips s and s + 1 decoded into one 16-wide register, strip s
+ * in lanes 0-7, by the same arithmetic per lane as q4_1_column and
+ * q8_0_column. A pair's bytes lie one strip block apart. */
+static inline __attribute__((always_inline)) __m128i pair_bytes(const uint8_t *first, int64_t apart) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)first), _mm_loadl_epi64((const __m128i *)(first + apart)));
+}
+
+/* Q4_1's d and m of a pair from its two strips' scales, d[8] m[8] each. */
+static inline __attribute__((always_inline)) void q4_1_pair_scales(const float *sc, __m512 *d, __m512 *m) {
+    const __m512 a = _mm512_loadu_ps(sc), b = _mm512_loadu_ps(sc + 2 * LANES);
+    *d = _mm512_shuffle_f32x4(a, b, 0x44); /* a's d, b's d */
+    *m = _mm512_shuffle_f32x4(a, b, 0xEE); /* a's m, b's m */
+}
+
+static inline __attribute__((always_inline)) __m512 q4_1_pair_column(
+    const uint8_t *bytes, __m512 d, __m512 m, int high, int j) {
+    __m512i q = _mm512_cvtepu8_epi32(pair_bytes(bytes + 8 * j, LANES * BLOCK / 2));
+    q = high ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, _mm512_set1_epi32(0x0F));
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), d), m);
+}
+
+/* Q8_0's d of a pair is its two strips' d[8], side by side already. */
+static inline __attribute__((always_inline)) __m512 q8_0_pair_column(const uint8_t *bytes, __m512 d, int k) {
+    const __m512i q = _mm512_cvtepi8_epi32(pair_bytes(bytes + 8 * k, LANES * BLOCK));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), d);
+}
+
+#define PAIRS(op) op(0) op(1) op(2) op(3)
+#define PAIRS4 PAIRS
+#define PACC_DECLARE(p) __m512 acc##p = _mm512_setzero_ps();
+#define PACC_OUT(p) _mm512_storeu_ps(out + (p) * 2 * LANES, acc##p);
+
+/* One row, a group's 8 strips as 4 pairs: row_group_q4_1 and the others. */
+static void row_group_q4_1_pairs(const float *x, int64_t blocks, const uint8_t *data, const float *scales, float *out) {
+    PAIRS4(PACC_DECLARE)
+    for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
+        const uint8_t *bytes = data + b * GROUP * (LANES * BLOCK / 2);
+        const float *sc = scales + b * GROUP * 2 * LANES;
+#define Q4_SCALES(p) __m512 d##p, m##p; q4_1_pair_scales(sc + (p) * 4 * LANES, &d##p, &m##p);
+#define Q4_STEP(p) acc##p = _mm512_fmadd_ps(xk, q4_1_pair_column(bytes + (p) * LANES * BLOCK, d##p, m##p, high, j), acc##p);
+        PAIRS4(Q4_SCALES)
+        for (int high = 0; high < 2; high++)
+            for (int j = 0; j < BLOCK / 2; j++) {
+                const __m512 xk = _mm512_set1_ps(x[16 * high + j]);
+                PAIRS4(Q4_STEP)
+            }
+#undef Q4_SCALES
+#undef Q4_STEP
+    }
+    PAIRS4(PACC_OUT)
+}
+
+static void row_group_q8_0_pairs(const float *x, int64_t blocks, const uint8_t *data, const float *scales, float *out) {
+    PAIRS4(PACC_DECLARE)
+    for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
+        const uint8_t *bytes = data + b * GROUP * (LANES * BLOCK);
+        const float *sc = scales + b * GROUP * LANES;
+#define Q8_SCALES(p) const __m512 d##p = _mm512_loadu_ps(sc + (p) * 2 * LANES);
+#define Q8_STEP(p) acc##p = _mm512_fmadd_ps(xk, q8_0_pair_column(bytes + (p) * 2 * LANES * BLOCK, d##p, k), acc##p);
+        PAIRS4(Q8_SCALES)
+        for (int k = 0; k < BLOCK; k++) {
+            const __m512 xk = _mm512_set1_ps(x[k]);
+            PAIRS4(Q8_STEP)
+        }
+#undef Q8_SCALES
+#undef Q8_STEP
+    }
+    PAIRS4(PACC_OUT)
+}
+
+static void row_group_bf16_pairs(const float *x, int64_t blocks, const uint8_t *data, const float *scales, float *out) {
+    (void)scales;
+    PAIRS4(PACC_DECLARE)
+    for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
+        const uint8_t *halves = data + b * GROUP * (2 * LANES * BLOCK);
+#define BF16_STEP(p)                                                                                       \
+    {                                                                                                      \
+        const uint8_t *at = halves + (p) * 4 * LANES * BLOCK + 16 * k;                                     \
+        const __m256i h = _mm256_inserti128_si256(                                                         \
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)at)),                                  \
+            _mm_loadu_si128((const __m128i *)(at + 2 * LANES * BLOCK)), 1);                                \
+        const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));             \
+        acc##p = _mm512_fmadd_ps(xk, w, acc##p);                                                           \
+    }
+        for (int k = 0; k < BLOCK; k++) {
+            const __m512 xk = _mm512_set1_ps(x[k]);
+            PAIRS4(BF16_STEP)
+        }
+#undef BF16_STEP
+    }
+    PAIRS4(PACC_OUT)
+}
+#undef PAIRS4
+#undef PACC_DECLARE
+#undef PACC_OUT
+
+/* Two to six rows x D strip pairs: rows_q4_1 and rows_q8_0 with 16-wide
+ * registers. D is 4 (the whole group) up to 3 rows and 2 beyond: the
+ * accumulators, a pair's scales and weight vector each and the broadcast
+ * within the 32 registers. */
+#define RZ_EACH(op) \
+    op(0, 0) op(0, 1) op(0, 2) op(0, 3) op(1, 0) op(1, 1) op(1, 2) op(1, 3) \
+    op(2, 0) op(2, 1) op(2, 2) op(2, 3) op(3, 0) op(3, 1) op(4, 0) op(4, 1) op(5, 0) op(5, 1)
+#define RZ_ON(r, p) (R > (r) && D > (p) && ((r) < 3 || (p) < 2))
+#define RZ_LOAD(r, p) \
+    __m512 acc##r##p = RZ_ON(r, p) ? _mm512_loadu_ps(acc + (r) * COLS + (p) * 2 * LANES) : _mm512_setzero_ps();
+#define RZ_STORE(r, p) \
+    if (RZ_ON(r, p)) _mm512_storeu_ps(acc + (r) * COLS + (p) * 2 * LANES, acc##r##p);
+#define RZ_FMA(r, p) \
+    if (RZ_ON(r, p)) acc##r##p = _mm512_fmadd_ps(_mm512_set1_ps(x[(r) * K + k]), w##p, acc##r##p);
+
+static inline __attribute__((always_inline)) void rows_q4_1_pairs(
+    const int R, const int D, const float *x, int64_t K, const uint8_t *bytes, const float *sc, float *acc) {
+    RZ_EACH(RZ_LOAD)
+    __m512 d0 = _mm512_setzero_ps(), m0 = d0, d1 = d0, m1 = d0, d2 = d0, m2 = d0, d3 = d0, m3 = d0;
+#define Q4_SCALES(p) if (D > (p)) q4_1_pair_scales(sc + (p) * 4 * LANES, &d##p, &m##p);
+#define Q4_W(p) const __m512 w##p = D > (p) ? q4_1_pair_column(bytes + (p) * LANES * BLOCK, d##p, m##p, high, j) : _mm512_setzero_ps();
+    PAIRS(Q4_SCALES)
+    for (int high = 0; high < 2; high++)
+        for (int j = 0; j < BLOCK / 2; j++) {
+            const int k = 16 * high + j;
+            PAIRS(Q4_W)
+            RZ_EACH(RZ_FMA)
+        }
+#undef Q4_SCALES
+#undef Q4_W
+    RZ_EACH(RZ_STORE)
+}
+
+static inline __attribute__((always_inline)) void rows_q8_0_pairs(
+    const int R, const int D, const float *x, int64_t K, const uint8_t *bytes, const float *sc, float *acc) {
+    RZ_EACH(RZ_LOAD)
+#define Q8_SCALES(p) const __m512 d##p = D > (p) ? _mm512_loadu_ps(sc + (p) * 2 * LANES) : _mm512_setzero_ps();
+#define Q8_W(p) const __m512 w##p = D > (p) ? q8_0_pair_column(bytes + (p) * 2 * LANES * BLOCK, d##p, k) : _mm512_setzero_ps();
+    PAIRS(Q8_SCALES)
+    for (int k = 0; k < BLOCK; k++) {
+        PAIRS(Q8_W)
+        RZ_EACH(RZ_FMA)
+    }
+#undef Q8_SCALES
+#undef Q8_W
+    RZ_EACH(RZ_STORE)
+}
+#undef RZ_EACH
+#undef RZ_ON
+#undef RZ_LOAD
+#undef RZ_STORE
+#undef RZ_FMA
+
+static void run_rows_pairs(int format, int R, int D, const float *x, int64_t K, const uint8_t *bytes,
+                           const float *sc, float *acc) {
+#define PAIRS_CASE(r, d)                                                          \
+    case (r) * 8 + (d):                                                           \
+        if (format == FORMAT_Q4_1) rows_q4_1_pairs(r, d, x, K, bytes, sc, acc);   \
+        else rows_q8_0_pairs(r, d, x, K, bytes, sc, acc);                         \
+        break;
+    switch (R * 8 + D) {
+        PAIRS_CASE(2, 1) PAIRS_CASE(2, 2) PAIRS_CASE(2, 3) PAIRS_CASE(2, 4)
+        PAIRS_CASE(3, 1) PAIRS_CASE(3, 2) PAIRS_CASE(3, 3) PAIRS_CASE(3, 4)
+        PAIRS_CASE(4, 1) PAIRS_CASE(4, 2) PAIRS_CASE(5, 1) PAIRS_CASE(5, 2)
+        PAIRS_CASE(6, 1) PAIRS_CASE(6, 2)
+    default: break; /* unreachable: rows_product() asks only for these */
+    }
+#undef PAIRS_CASE
+}
+#endif
+
 /* out [M, N] for 2 <= M <= 6 over this thread's strips [first, last): per
  * group, its strips of each block in turn, S at a time (module doc above). */
 static void rows_product(int format, const float *x, int64_t M, int64_t K, int64_t blocks,
                          const uint8_t *data, const float *scales, int64_t block_bytes,
                          int64_t block_scales, int64_t N, int64_t first, int64_t last, float *out) {
     float acc[6 * COLS];
+#ifdef METRALE_AVX512
+    const int widest = M <= 3 ? 4 : 2; /* strip pairs */
+#else
     const int widest = M == 2 ? 4 : 2;
+#endif
     for (int64_t s0 = first, s1; s0 < last; s0 = s1) {
         const int64_t group = s0 / GROUP, group_end = (group + 1) * GROUP;
         s1 = last < group_end ? last : group_end;
@@ -489,11 +744,23 @@ static void rows_product(int format, const float *x, int64_t M, int64_t K, int64
         memset(acc, 0, sizeof acc);
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t at = (group * blocks + b) * GROUP + s0 % GROUP;
+#ifdef METRALE_AVX512
+            int c = 0;
+            for (int pairs; (pairs = (count - c) / 2) > 0; c += 2 * pairs) {
+                pairs = pairs < widest ? pairs : widest;
+                run_rows_pairs(format, (int)M, pairs, x + b * BLOCK, K, data + (at + c) * block_bytes,
+                               scales + (at + c) * block_scales, acc + c * LANES);
+            }
+            if (c < count) /* an odd strip left: the 8-wide path */
+                run_rows(format, (int)M, 1, x + b * BLOCK, K, data + (at + c) * block_bytes,
+                         scales + (at + c) * block_scales, acc + c * LANES);
+#else
             for (int c = 0; c < count; c += widest) {
                 const int S = count - c < widest ? count - c : widest;
                 run_rows(format, (int)M, S, x + b * BLOCK, K, data + (at + c) * block_bytes,
                          scales + (at + c) * block_scales, acc + c * LANES);
             }
+#endif
         }
         const int64_t n0 = s0 * LANES, width = N - n0 < count * LANES ? N - n0 : count * LANES;
         for (int64_t m = 0; m < M; m++) memcpy(out + m * N + n0, acc + m * COLS, sizeof(float) * width);
@@ -522,9 +789,15 @@ int metrale_packed_linear(
         const int64_t last = strips * (me + 1) / team;
 #ifdef METRALE_AVX2
         if (M == 1) {
+#ifdef METRALE_AVX512
+            const row_group_fn group_product = format == FORMAT_Q4_1   ? row_group_q4_1_pairs
+                                               : format == FORMAT_Q8_0 ? row_group_q8_0_pairs
+                                                                       : row_group_bf16_pairs;
+#else
             const row_group_fn group_product = format == FORMAT_Q4_1   ? row_group_q4_1
                                                : format == FORMAT_Q8_0 ? row_group_q8_0
                                                                        : row_group_bf16;
+#endif
             row_product(group_product, x, blocks, data, scales, block_bytes, block_scales, N, first, last, out);
             first = last; /* nothing left for the tiles */
         } else if (M <= 6 && format != FORMAT_BF16) {
