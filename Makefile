@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The shipped sample workload `make run` generates on.
 RUN_INPUT ?= sample_prompts/code_edits.jsonl
 
-.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-engine bench-startup bench-grammar bench-ray bench-budget mtp-head mtp-eval gpu-check gpu-wheels clean
+.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-kernel bench-engine bench-startup bench-grammar bench-ray bench-budget mtp-head mtp-eval gpu-check gpu-wheels clean
 
 all: test
 
@@ -64,6 +64,12 @@ bench-lookup: setup
 bench-runtime: setup
 	$(PY) -m metrale.engine.bench.runtime
 	$(PY) -m metrale.engine.bench.runtime --moe
+
+# The packed kernel built for this CPU next to the same source built without
+# AVX-512 (on a CPU that has it), over the default model's products, outputs
+# checked bit for bit.
+bench-kernel: setup
+	$(PY) -m metrale.engine.bench.kernel
 
 # A one-line job's time to its first output line and peak memory, next to a
 # bare `python -c "import torch"` in the same run.
