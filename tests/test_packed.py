@@ -107,8 +107,9 @@ def _cpu_has(flag: str) -> bool:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_avx512_paths_give_the_bits_of_the_8_wide_ones(kernel: PackedKernel, fmt: str) -> None:
     # The same source built without AVX-512 takes the 8-wide paths: every
-    # shape either way (one row, the register paths to six, the tiles past
-    # them, an odd strip left from the pairs) and both thread splits.
+    # shape either way (one row, the register paths to six or eight, the
+    # tiles past them, an odd strip left from the pairs) and both thread
+    # splits.
     narrow = kernel_built_with("-mno-avx512f")
     assert narrow.build != kernel.build
     weight, _ = packed(kernel, random_weight(150, 192, seed=9), fmt)  # 19 strips
@@ -117,7 +118,7 @@ def test_the_avx512_paths_give_the_bits_of_the_8_wide_ones(kernel: PackedKernel,
     try:
         for count in {1, threads}:
             torch.set_num_threads(count)
-            for rows in (1, 2, 3, 4, 5, 6, 7, 12, 16, 70):
+            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 70):
                 wide = kernel.linear(fmt, x[:rows], weight.tiles, weight.tile_scales, 150)
                 eight = narrow.linear(fmt, x[:rows], weight.tiles, weight.tile_scales, 150)
                 assert torch.equal(wide, eight), (count, rows)

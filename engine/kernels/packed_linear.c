@@ -76,6 +76,11 @@
 #define METRALE_AVX512 1
 #endif
 #endif
+#ifdef METRALE_AVX512
+#define REGISTER_ROWS 8 /* rows the register paths take (2 and up); more go to the tiles */
+#else
+#define REGISTER_ROWS 6
+#endif
 
 enum { FORMAT_Q4_1 = 0, FORMAT_Q8_0 = 1, FORMAT_BF16 = 2 };
 enum {
@@ -655,13 +660,14 @@ static void row_group_bf16_pairs(const float *x, int64_t blocks, const uint8_t *
 #undef PACC_DECLARE
 #undef PACC_OUT
 
-/* Two to six rows x D strip pairs: rows_q4_1 and rows_q8_0 with 16-wide
+/* Two to eight rows x D strip pairs: rows_q4_1 and rows_q8_0 with 16-wide
  * registers. D is 4 (the whole group) up to 3 rows and 2 beyond: the
  * accumulators, a pair's scales and weight vector each and the broadcast
  * within the 32 registers. */
 #define RZ_EACH(op) \
     op(0, 0) op(0, 1) op(0, 2) op(0, 3) op(1, 0) op(1, 1) op(1, 2) op(1, 3) \
-    op(2, 0) op(2, 1) op(2, 2) op(2, 3) op(3, 0) op(3, 1) op(4, 0) op(4, 1) op(5, 0) op(5, 1)
+    op(2, 0) op(2, 1) op(2, 2) op(2, 3) op(3, 0) op(3, 1) op(4, 0) op(4, 1) \
+    op(5, 0) op(5, 1) op(6, 0) op(6, 1) op(7, 0) op(7, 1)
 #define RZ_ON(r, p) (R > (r) && D > (p) && ((r) < 3 || (p) < 2))
 #define RZ_LOAD(r, p) \
     __m512 acc##r##p = RZ_ON(r, p) ? _mm512_loadu_ps(acc + (r) * COLS + (p) * 2 * LANES) : _mm512_setzero_ps();
@@ -719,19 +725,20 @@ static void run_rows_pairs(int format, int R, int D, const float *x, int64_t K, 
         PAIRS_CASE(2, 1) PAIRS_CASE(2, 2) PAIRS_CASE(2, 3) PAIRS_CASE(2, 4)
         PAIRS_CASE(3, 1) PAIRS_CASE(3, 2) PAIRS_CASE(3, 3) PAIRS_CASE(3, 4)
         PAIRS_CASE(4, 1) PAIRS_CASE(4, 2) PAIRS_CASE(5, 1) PAIRS_CASE(5, 2)
-        PAIRS_CASE(6, 1) PAIRS_CASE(6, 2)
+        PAIRS_CASE(6, 1) PAIRS_CASE(6, 2) PAIRS_CASE(7, 1) PAIRS_CASE(7, 2)
+        PAIRS_CASE(8, 1) PAIRS_CASE(8, 2)
     default: break; /* unreachable: rows_product() asks only for these */
     }
 #undef PAIRS_CASE
 }
 #endif
 
-/* out [M, N] for 2 <= M <= 6 over this thread's strips [first, last): per
+/* out [M, N] for 2 <= M <= REGISTER_ROWS over this thread's strips [first, last): per
  * group, its strips of each block in turn, S at a time (module doc above). */
 static void rows_product(int format, const float *x, int64_t M, int64_t K, int64_t blocks,
                          const uint8_t *data, const float *scales, int64_t block_bytes,
                          int64_t block_scales, int64_t N, int64_t first, int64_t last, float *out) {
-    float acc[6 * COLS];
+    float acc[REGISTER_ROWS * COLS];
 #ifdef METRALE_AVX512
     const int widest = M <= 3 ? 4 : 2; /* strip pairs */
 #else
@@ -751,9 +758,15 @@ static void rows_product(int format, const float *x, int64_t M, int64_t K, int64
                 run_rows_pairs(format, (int)M, pairs, x + b * BLOCK, K, data + (at + c) * block_bytes,
                                scales + (at + c) * block_scales, acc + c * LANES);
             }
-            if (c < count) /* an odd strip left: the 8-wide path */
-                run_rows(format, (int)M, 1, x + b * BLOCK, K, data + (at + c) * block_bytes,
-                         scales + (at + c) * block_scales, acc + c * LANES);
+            if (c < count) { /* an odd strip left: the 8-wide path, at most 6 rows a call */
+                const int64_t first = M <= 6 ? M : 4;
+                const uint8_t *bytes = data + (at + c) * block_bytes;
+                const float *sc = scales + (at + c) * block_scales;
+                run_rows(format, (int)first, 1, x + b * BLOCK, K, bytes, sc, acc + c * LANES);
+                if (M > first)
+                    run_rows(format, (int)(M - first), 1, x + first * K + b * BLOCK, K, bytes, sc,
+                             acc + first * COLS + c * LANES);
+            }
 #else
             for (int c = 0; c < count; c += widest) {
                 const int S = count - c < widest ? count - c : widest;
@@ -800,7 +813,7 @@ int metrale_packed_linear(
 #endif
             row_product(group_product, x, blocks, data, scales, block_bytes, block_scales, N, first, last, out);
             first = last; /* nothing left for the tiles */
-        } else if (M <= 6 && format != FORMAT_BF16) {
+        } else if (M <= REGISTER_ROWS && format != FORMAT_BF16) {
             rows_product(format, x, M, K, blocks, data, scales, block_bytes, block_scales, N, first, last, out);
             first = last;
         }
