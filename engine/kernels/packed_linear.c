@@ -592,51 +592,50 @@ static inline __attribute__((always_inline)) __m512 q8_0_pair_column(const uint8
 }
 
 #define PAIRS(op) op(0) op(1) op(2) op(3)
-#define PAIRS4 PAIRS
 #define PACC_DECLARE(p) __m512 acc##p = _mm512_setzero_ps();
 #define PACC_OUT(p) _mm512_storeu_ps(out + (p) * 2 * LANES, acc##p);
 
 /* One row, a group's 8 strips as 4 pairs: row_group_q4_1 and the others. */
 static void row_group_q4_1_pairs(const float *x, int64_t blocks, const uint8_t *data, const float *scales, float *out) {
-    PAIRS4(PACC_DECLARE)
+    PAIRS(PACC_DECLARE)
     for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
         const uint8_t *bytes = data + b * GROUP * (LANES * BLOCK / 2);
         const float *sc = scales + b * GROUP * 2 * LANES;
 #define Q4_SCALES(p) __m512 d##p, m##p; q4_1_pair_scales(sc + (p) * 4 * LANES, &d##p, &m##p);
 #define Q4_STEP(p) acc##p = _mm512_fmadd_ps(xk, q4_1_pair_column(bytes + (p) * LANES * BLOCK, d##p, m##p, high, j), acc##p);
-        PAIRS4(Q4_SCALES)
+        PAIRS(Q4_SCALES)
         for (int high = 0; high < 2; high++)
             for (int j = 0; j < BLOCK / 2; j++) {
                 const __m512 xk = _mm512_set1_ps(x[16 * high + j]);
-                PAIRS4(Q4_STEP)
+                PAIRS(Q4_STEP)
             }
 #undef Q4_SCALES
 #undef Q4_STEP
     }
-    PAIRS4(PACC_OUT)
+    PAIRS(PACC_OUT)
 }
 
 static void row_group_q8_0_pairs(const float *x, int64_t blocks, const uint8_t *data, const float *scales, float *out) {
-    PAIRS4(PACC_DECLARE)
+    PAIRS(PACC_DECLARE)
     for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
         const uint8_t *bytes = data + b * GROUP * (LANES * BLOCK);
         const float *sc = scales + b * GROUP * LANES;
 #define Q8_SCALES(p) const __m512 d##p = _mm512_loadu_ps(sc + (p) * 2 * LANES);
 #define Q8_STEP(p) acc##p = _mm512_fmadd_ps(xk, q8_0_pair_column(bytes + (p) * 2 * LANES * BLOCK, d##p, k), acc##p);
-        PAIRS4(Q8_SCALES)
+        PAIRS(Q8_SCALES)
         for (int k = 0; k < BLOCK; k++) {
             const __m512 xk = _mm512_set1_ps(x[k]);
-            PAIRS4(Q8_STEP)
+            PAIRS(Q8_STEP)
         }
 #undef Q8_SCALES
 #undef Q8_STEP
     }
-    PAIRS4(PACC_OUT)
+    PAIRS(PACC_OUT)
 }
 
 static void row_group_bf16_pairs(const float *x, int64_t blocks, const uint8_t *data, const float *scales, float *out) {
     (void)scales;
-    PAIRS4(PACC_DECLARE)
+    PAIRS(PACC_DECLARE)
     for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
         const uint8_t *halves = data + b * GROUP * (2 * LANES * BLOCK);
 #define BF16_STEP(p)                                                                                       \
@@ -650,13 +649,12 @@ static void row_group_bf16_pairs(const float *x, int64_t blocks, const uint8_t *
     }
         for (int k = 0; k < BLOCK; k++) {
             const __m512 xk = _mm512_set1_ps(x[k]);
-            PAIRS4(BF16_STEP)
+            PAIRS(BF16_STEP)
         }
 #undef BF16_STEP
     }
-    PAIRS4(PACC_OUT)
+    PAIRS(PACC_OUT)
 }
-#undef PAIRS4
 #undef PACC_DECLARE
 #undef PACC_OUT
 
@@ -708,6 +706,7 @@ static inline __attribute__((always_inline)) void rows_q8_0_pairs(
 #undef Q8_W
     RZ_EACH(RZ_STORE)
 }
+#undef PAIRS
 #undef RZ_EACH
 #undef RZ_ON
 #undef RZ_LOAD
