@@ -59,6 +59,8 @@ class PackedKernel:
             _int, _pointer, _int64, _int64, _pointer, _pointer, _int64, _pointer, _int,
         ]  # fmt: skip
         self._linear.restype = _int
+        # Floats a vector of the products holds: 16 (AVX-512), 8 (AVX2) or 1.
+        self.vector_lanes = int(library.metrale_vector_lanes())
         self._decode = library.metrale_decode
         self._decode.argtypes = [_int, _int64, _pointer, _pointer, _int64, _pointer, _int]
         self._decode.restype = _int

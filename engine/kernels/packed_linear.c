@@ -28,7 +28,8 @@
  * (16 KB) stays in the core's first-level cache while tiles of up to 6 input
  * rows x 16 outputs multiply against it, each step one broadcast input value
  * and a few weight loads feeding up to twelve fused multiply-adds. Up to six
- * rows (a decode step, or a verify of a few drafts) skip the buffer: each
+ * rows (eight with AVX-512; a decode step, or a verify of a few drafts) skip
+ * the buffer: each
  * decoded vector goes straight from its register into one FMA per row, so a
  * verify of 2 rows costs little more than a step of 1 (the decode, not the
  * FMA, is most of a narrow product's work; a buffer would be stored and read
@@ -487,7 +488,7 @@ static void row_product(
     }
 }
 
-/* Two to six rows: each decoded weight vector stays in a register and
+/* Two to six rows (eight with AVX-512, below): each decoded weight vector stays in a register and
  * feeds an FMA of every row, so the decode (most of a narrow product's work)
  * is done once for the rows of a verify instead of once into a buffer and
  * read back per tile. R rows x S strips of accumulators (2 x 4, or 3..6 x 2)
@@ -747,7 +748,7 @@ static void rows_product(int format, const float *x, int64_t M, int64_t K, int64
         const int64_t group = s0 / GROUP, group_end = (group + 1) * GROUP;
         s1 = last < group_end ? last : group_end;
         const int count = (int)(s1 - s0);
-        memset(acc, 0, sizeof acc);
+        memset(acc, 0, sizeof(float) * (size_t)M * COLS);
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t at = (group * blocks + b) * GROUP + s0 % GROUP;
 #ifdef METRALE_AVX512
@@ -758,13 +759,13 @@ static void rows_product(int format, const float *x, int64_t M, int64_t K, int64
                                scales + (at + c) * block_scales, acc + c * LANES);
             }
             if (c < count) { /* an odd strip left: the 8-wide path, at most 6 rows a call */
-                const int64_t first = M <= 6 ? M : 4;
+                const int64_t lead = M <= 6 ? M : 4; /* rows of the first call */
                 const uint8_t *bytes = data + (at + c) * block_bytes;
                 const float *sc = scales + (at + c) * block_scales;
-                run_rows(format, (int)first, 1, x + b * BLOCK, K, bytes, sc, acc + c * LANES);
-                if (M > first)
-                    run_rows(format, (int)(M - first), 1, x + first * K + b * BLOCK, K, bytes, sc,
-                             acc + first * COLS + c * LANES);
+                run_rows(format, (int)lead, 1, x + b * BLOCK, K, bytes, sc, acc + c * LANES);
+                if (M > lead)
+                    run_rows(format, (int)(M - lead), 1, x + lead * K + b * BLOCK, K, bytes, sc,
+                             acc + lead * COLS + c * LANES);
             }
 #else
             for (int c = 0; c < count; c += widest) {
@@ -780,6 +781,18 @@ static void rows_product(int format, const float *x, int64_t M, int64_t K, int64
 }
 
 #endif
+
+/* Floats in one of the register paths' vectors: 16 with AVX-512, 8 with AVX2,
+ * 1 in the portable code (tests check which paths a build took). */
+int metrale_vector_lanes(void) {
+#if defined(METRALE_AVX512)
+    return 2 * LANES;
+#elif defined(METRALE_AVX2)
+    return LANES;
+#else
+    return 1;
+#endif
+}
 
 /* out [M, N] = x [M, K] @ decode(weight)^T. Returns 0, or -1 for a bad
  * format or a K that is not a multiple of 32, or -2 when out of memory. */
