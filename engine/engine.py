@@ -704,24 +704,27 @@ class Engine:
                 left -= take
             self.model.forward(segments, logits="all").logits.argmax(dim=-1).tolist()
 
-        head: Callable[[int], int] | None = None
+        head: Callable[[int, int], int] | None = None
         if self._drafter is not None:
             drafter = self._drafter
-            feeds: list[DraftFeed] = []
+            seqs: list[SeqState] = []
             rows: list[torch.Tensor] = []  # [slots, hidden_size]: the rows fed, made once
 
-            def head(count: int) -> int:
-                """A head call feeding ``count`` slots a row each, one draft
-                each, through the drafter as a run calls it; the forwards it ran."""
-                if not feeds:  # only when the costs are not read from the cache
+            def head(count: int, each: int) -> int:
+                """A head call feeding ``count`` slots ``each`` rows from their
+                start, one draft each, through the drafter as a run calls it
+                (more than a row: as a catch-up hands over held rows); the
+                forwards it ran."""
+                if not seqs:  # only when the costs are not read from the cache
                     segments = [Segment(slot, 0, [0]) for slot in range(slots)]
                     rows.append(self.model.forward(segments, logits="last").hidden)
                     request = Request("calibration", (0,), SamplingParams(max_tokens=1))
                     for slot in range(slots):
-                        seq = SeqState(request, slot, self._max_len, frozenset(), None, None)
-                        feeds.append(DraftFeed(seq, 0, [0], 1))
+                        seqs.append(SeqState(request, slot, self._max_len, frozenset(), None, None))
+                feeds = [DraftFeed(seq, 0, [0] * each, 1) for seq in seqs[:count]]
+                hidden = rows[0][:count].repeat_interleave(each, dim=0)
                 before = drafter.forwards
-                drafter.feed_and_draft(feeds[:count], rows[0][:count])
+                drafter.feed_and_draft(feeds, hidden)
                 return drafter.forwards - before
 
         costs.calibrate(forward, min(4 * slots, self._max_len - 1), (head, slots) if head else None)

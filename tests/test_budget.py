@@ -260,9 +260,9 @@ def test_the_calibration_prices_the_head_and_a_cache_without_it_is_measured_agai
         calls.append(("verify", rows))
         clock.now += 0.001 * rows
 
-    def head(feeds: int) -> int:
-        calls.append(("head", feeds))
-        clock.now += 2 * (0.0002 + 0.0001 * feeds)
+    def head(feeds: int, each: int) -> int:
+        calls.append(("head", feeds) if each == 1 else ("held", feeds * (each - 1)))
+        clock.now += 2 * (0.0002 + 0.0001 * feeds) + 0.00001 * feeds * (each - 1)
         return 2  # head forwards run: the cost is per forward
 
     first = CostModel(clock, CostCache(tmp_path, key))
@@ -273,10 +273,14 @@ def test_the_calibration_prices_the_head_and_a_cache_without_it_is_measured_agai
     with_head.calibrate(forward, 8, (head, 4))
     assert {c for c in calls if c[0] == "head"} == {("head", 1), ("head", 2), ("head", 4)}
     assert with_head.head.predict(4) == pytest.approx(0.0006)
+    # 4 sequences with 16 rows each: 60 rows beyond one a sequence, 10 us each.
+    assert ("held", 60) in calls
+    assert with_head.held_row_s() == pytest.approx(0.00001)
     calls.clear()
     again = CostModel(clock, CostCache(tmp_path, key))
     again.calibrate(forward, 8, (head, 4))
     assert calls == [] and again.head.table() == with_head.head.table()
+    assert again.held_row_s() == pytest.approx(0.00001)
     # A run without a head reads the same file and stores it again whole.
     headless = CostModel(clock, CostCache(tmp_path, key))
     headless.calibrate(forward, 8)
@@ -360,6 +364,29 @@ def test_a_look_must_repay_the_rows_it_feeds_the_head_before_the_line_ends() -> 
     assert not budget.look_may_pay(line(1, 100), 1)
 
 
+def test_a_chain_worth_its_share_waits_while_its_held_rows_would_not_be_repaid() -> None:
+    # The costs of the test above: a sure draft adds 0.8 token a step at one
+    # sequence, a held row costs 0.5 ms, 0.05 token at 100 tokens/s.
+    costs = CostModel(FakeClock())
+    costs.verify.observe(1, 0.010)
+    costs.verify.observe(2, 0.011)
+    costs.head.observe(1, 0.001)
+    costs.head.observe(16, 0.008)
+    budget = DraftBudget(costs)
+
+    def line(tokens_left: int, held: int) -> SeqState:
+        request = Request("a", (1, 2, 3), SamplingParams(max_tokens=tokens_left))
+        seq = SeqState(request, 0, 1024, frozenset(), None, None)
+        budget.for_seq(seq).chain_value = 1.0  # worth far more than its share
+        if held:
+            budget.for_seq(seq).hold(3, [5] * held, torch.zeros(held, 4))
+        return seq
+
+    assert budget.wants_chain(line(6, 0), 1)  # nothing held: it drafts
+    assert budget.wants_chain(line(7, 100), 1)  # 5 tokens to repay over 7 left
+    assert not budget.wants_chain(line(6, 100), 1)  # ... not over 6
+
+
 def test_costs_are_interpolated_between_buckets_and_follow_new_measurements() -> None:
     costs = RunningCosts({1: 2.0, 4: 5.0, 16: 11.0})
     assert costs.predict(2) == pytest.approx(3.0)
@@ -382,12 +409,23 @@ def test_wide_verifies_are_priced_by_one_line_so_equal_neighbours_leave_no_row_f
     # 20 and 24 rows measured alike (a noisy moment): bucket to bucket, rows
     # 21-24 were free to the plan. One line through 16 rows prices them all.
     costs = RunningCosts({16: 32.0, 20: 40.0, 24: 40.0, 32: 56.0})
-    slope = (4 * 8 + 8 * 8 + 16 * 24) / (4**2 + 8**2 + 16**2)  # least squares through (16, 32)
+    slope = (8 / 4 + 8 / 8 + 24 / 16) / 3  # the buckets' own slopes, each measured once
     assert costs.predict(16) == 32.0
     assert [costs.predict(r) for r in (17, 24, 40)] == pytest.approx(
         [32.0 + slope, 32.0 + 8 * slope, 32.0 + 24 * slope]
     )
     assert costs.table()[24] == pytest.approx(32.0 + 8 * slope)
+
+
+def test_the_widths_a_run_verifies_set_the_slope_beyond_16_rows() -> None:
+    # Calibrated at 32 and 64 rows at 1 a row beyond 16; a batch of 16 then
+    # verifies 18 rows, at 3 a row beyond 16, step after step.
+    costs = RunningCosts({16: 64.0, 32: 80.0, 64: 112.0})
+    assert costs.predict(18) == pytest.approx(66.0)
+    for _ in range(30):
+        costs.observe(18, 70.0)
+    assert costs.predict(18) == pytest.approx(64.0 + 2 * (30 * 3.0 + 2 * 1.0) / 32, rel=1e-3)
+    assert costs.predict(18) > 69.5
 
 
 def test_a_wide_bucket_is_placed_at_the_rows_it_measured() -> None:

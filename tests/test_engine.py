@@ -276,6 +276,7 @@ def test_the_mtp_module_is_fed_every_verified_position_from_the_main_model(polic
     engine = Engine(model, None, config, mtp=[mtp], costs=CostModel(clock))
     engine.calibrate()
     model.forwards.clear()  # the budget's calibration verifies come first
+    mtp.fed.clear()  # and its head calls, held rows' among them
     results = outputs(list(engine.generate(requests(PROMPTS[:4], max_tokens=30))))
     slot_of = {s.slot: s for s in model.forwards[0]}  # the first prefill admits all four
     checked = 0  # positions checked past the prompt

@@ -420,7 +420,10 @@ class DraftBudget:
         verify row costs about a token's share of the step, every look would
         be a head forward, held prompt and all, for nothing. Looks resume as
         soon as the costs allow, as a batch thins out, unless the line is
-        too near its end."""
+        too near its end. Nor does a chain worth its share start while it
+        holds rows that it could not repay: once a scout had valued chains
+        on a 16-line batch of code edits, the other 14 lines started theirs
+        on one step, their prompts (1,900 rows) in one head forward."""
         budget = self.for_seq(seq)
         if ahead and budget.held_rows() < HOLD_MAX:
             return False
@@ -431,7 +434,7 @@ class DraftBudget:
         value, valued = budget.chain_value, budget.chain_value is not None
         if value is None:
             value = self.base_value(live)
-        if value >= cost:
+        if value >= cost and (not budget.held_rows() or self.look_may_pay(seq, live)):
             budget.since_chain, budget.explore_every = 0, EXPLORE_EVERY
             return True
         if budget.held_rows() >= HOLD_MAX:

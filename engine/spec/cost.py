@@ -13,14 +13,19 @@ Contract:
   buckets is interpolated linearly between its neighbours; beyond the widest
   measured it is extrapolated along the cost of the last measured row, and
   below the narrowest it costs what the narrowest does. Above 16 rows (a
-  batch's verify with drafts) it is read off one straight line fitted
-  through the 16-row bucket and every wider one: each coarse bucket holds
-  the mean row count it saw as well as its time, and a line through those
-  points prices every row alike. Interpolating bucket to bucket priced some
-  rows as free: two neighbouring buckets measured on a noisy moment often
-  come out equal (a 24-row verify as cheap as a 20-row one), and the plan
-  then took rows 21-24 for nothing. A bucket measured again moves by
-  ``ALPHA`` towards the new figure, so the estimate follows the context
+  batch's verify with drafts) it is read off one straight line through the
+  16-row bucket: each coarse bucket holds the mean row count it saw as well
+  as its time, and the line's slope is the mean of the wide buckets' own
+  slopes (their cost beyond the 16-row figure per row beyond 16), each
+  weighed by how often it was measured. Interpolating bucket to bucket
+  priced some rows as free: two neighbouring buckets measured on a noisy
+  moment often come out equal (a 24-row verify as cheap as a 20-row one),
+  and the plan then took rows 21-24 for nothing. Weighed by their counts,
+  the widths a run verifies decide the slope within a few steps: fitted by
+  least squares, the calibrated 64-row bucket, which a batch of 16 rarely
+  verifies, held it, and the first draft rows of a 16-sequence step were
+  priced at four fifths of what they took. A bucket measured again moves
+  by ``ALPHA`` towards the new figure, so the estimate follows the context
   growing and the machine getting busier.
 - ``head`` is the time of one MTP head forward by the sequences it feeds,
   the same way, measured as the run's calls to the drafter take it (its
@@ -29,9 +34,13 @@ Contract:
 - ``held_row_s``: what a row held back while a chain rested adds to the
   head forward that takes it (``observe_held``: what such a forward took
   beyond ``head``'s figure for its feeds, per held row), one running
-  figure. Until one is measured, a held row is priced as a feed of its own
-  in the widest calibrated head forward: dearer than it is, for that feed
-  also reads a draft's logits.
+  figure, calibrated with the head: a head call feeding its widest count
+  of sequences ``HELD_CALIBRATION_ROWS`` rows each, beyond the same call
+  feeding them one row each, per row. Priced as a feed of its own in the
+  widest head forward (dearer than it is: that feed also reads a draft's
+  logits) until measured, it was never measured where it mattered: at 16
+  sequences no chain whose prompt was held could repay it at that price,
+  so none started, and no catch-up ever ran to measure one.
 - ``calibrate`` warm-starts ``verify`` from a few forwards at chosen widths,
   and, when the run has a head, ``head`` from a few drafter calls feeding 1,
   2, 4... sequences a row each. Without that, a run whose chains rest from
@@ -67,10 +76,13 @@ SPIKE = 2.0
 # sequences one feeds, a row each).
 CALIBRATION_ROWS = (1, 2, 3, 4, 8, 16, 32, 64)
 CALIBRATION_FEEDS = (1, 2, 4, 8, 16)
+# Rows each sequence hands the head in the calibration's held-row call.
+HELD_CALIBRATION_ROWS = 16
 # Buckets are exact up to this many rows; wider verifies are priced by a line.
 FINE_ROWS = 16
-# Raised whenever the stored figures change meaning (2: the head's beside the verify's).
-CACHE_FORMAT = 2
+# Raised whenever the stored figures change meaning (2: the head's beside the
+# verify's; 3: a held row's beside the head's).
+CACHE_FORMAT = 3
 
 Clock = Callable[[], float]
 
@@ -91,6 +103,7 @@ class RunningCosts:
         self._by_bucket: dict[int, float] = dict(initial or {})
         # The mean row count each bucket measured (its key until it has).
         self._rows: dict[int, float] = {k: float(k) for k in self._by_bucket}
+        self._count: dict[int, int] = dict.fromkeys(self._by_bucket, 1)  # measurements
         self._keys: list[int] = sorted(self._by_bucket)
         self._monotone: dict[int, float] = {}
         self._line: tuple[float, float] | None = None  # (cost at FINE_ROWS, per row)
@@ -103,6 +116,7 @@ class RunningCosts:
         measured again."""
         key = bucket(rows)
         old = self._by_bucket.get(key)
+        self._count[key] = self._count.get(key, 0) + 1
         if old is None:
             self._by_bucket[key], self._rows[key] = seconds, float(rows)
             bisect.insort(self._keys, key)
@@ -128,22 +142,22 @@ class RunningCosts:
 
     def _fit(self) -> tuple[float, float] | None:
         """The line wide verifies are priced by (module doc): through the
-        16-row figure, with the slope that fits the wider buckets best (least
-        squares, at their mean row counts); no less than 0 and no more than
-        the 16-row figure's cost per row (the two facts ``_repair`` keeps).
-        None until a bucket beyond 16 rows has been measured."""
+        16-row figure, with the mean of the wider buckets' slopes (at their
+        mean row counts) weighed by their measurements; no less than 0 and
+        no more than the 16-row figure's cost per row (the two facts
+        ``_repair`` keeps). None until a bucket beyond 16 rows has been
+        measured."""
         if FINE_ROWS not in self._by_bucket:
             return None
         start = self._monotone[FINE_ROWS]
         wide = [
-            (self._rows[k] - FINE_ROWS, self._by_bucket[k] - start)
+            (self._count[k], (self._by_bucket[k] - start) / (self._rows[k] - FINE_ROWS))
             for k in self._keys
-            if k > FINE_ROWS
+            if k > FINE_ROWS and self._rows[k] > FINE_ROWS
         ]
-        spread = sum(x * x for x, _ in wide)
-        if spread <= 0:
+        if not wide:
             return None
-        slope = sum(x * y for x, y in wide) / spread
+        slope = sum(n * s for n, s in wide) / sum(n for n, _ in wide)
         return start, min(max(slope, 0.0), start / FINE_ROWS)
 
     def known(self) -> bool:
@@ -227,14 +241,15 @@ class CostModel:
         self,
         forward: Callable[[int], None],
         max_rows: int,
-        head: tuple[Callable[[int], int], int] | None = None,
+        head: tuple[Callable[[int, int], int], int] | None = None,
     ) -> None:
         """Warm-starts ``verify`` from the cache, or by timing ``forward(rows)``
         (one untimed warm-up, then the better of two) at each calibration width
         up to ``max_rows``; likewise, given ``head = (call, max_feeds)``, the
-        head by ``call(feeds)``, a drafter call feeding ``feeds`` sequences
-        (up to ``max_feeds``) that returns the head forwards it ran. Stores
-        what it measured."""
+        head by ``call(feeds, 1)``, a drafter call feeding ``feeds`` sequences
+        (up to ``max_feeds``) a row each that returns the head forwards it
+        ran, and a held row by ``call(max_feeds, HELD_CALIBRATION_ROWS)``
+        (module doc). Stores what it measured."""
         if self.calibrated:
             return
         self.calibrated = True
@@ -245,22 +260,37 @@ class CostModel:
             cached is not None
             and _covers(cached.verify_s, widths)
             and _covers(cached.head_s, feeds)
+            and (cached.held_row_s is not None or not feeds)
         ):
             for rows, seconds in cached.verify_s.items():
                 self.verify.observe(rows, seconds)
             for rows, seconds in cached.head_s.items():
                 self.head.observe(rows, seconds)
+            self._held_row_s = cached.held_row_s
             return
         _time_widths(self.clock, forward, widths, self.verify)
-        if head is not None:
-            _time_widths(self.clock, head[0], feeds, self.head)
+        if head is not None and feeds:
+            call, widest = head[0], feeds[-1]
+            _time_widths(self.clock, lambda n: call(n, 1), feeds, self.head)
+
+            def whole_call(each: int) -> float:  # the better of two, after a warm-up
+                call(widest, each)
+                spans = []
+                for _ in range(2):
+                    began = self.clock()
+                    call(widest, each)
+                    spans.append(self.clock() - began)
+                return min(spans)
+
+            extra = whole_call(HELD_CALIBRATION_ROWS) - whole_call(1)
+            self._held_row_s = max(extra, 0.0) / (widest * (HELD_CALIBRATION_ROWS - 1))
         self.save()
 
     def save(self) -> None:
         """Stores the costs as they stand, so the next run on this set-up
         starts from what this one measured last."""
         if self.cache is not None and self.verify.known():
-            self.cache.store(Calibration(self.verify.table(), self.head.table()))
+            self.cache.store(Calibration(self.verify.table(), self.head.table(), self._held_row_s))
 
 
 def _covers(measured: Mapping[int, float], sizes: list[int]) -> bool:
@@ -287,10 +317,12 @@ def _time_widths(
 
 @dataclass(frozen=True)
 class Calibration:
-    """Stored costs: seconds by verify rows, and by sequences a head forward feeds."""
+    """Stored costs: seconds by verify rows, by sequences a head forward
+    feeds, and what a held row adds to it (None: not measured)."""
 
     verify_s: Mapping[int, float]
     head_s: Mapping[int, float]
+    held_row_s: float | None = None
 
 
 class CostCache:
@@ -311,9 +343,11 @@ class CostCache:
         if not isinstance(data, dict) or data.get("key") != self.key:
             return None
         try:
+            held = data.get("held_row_s")
             return Calibration(
                 {int(k): float(v) for k, v in data["verify_s"].items()},
                 {int(k): float(v) for k, v in data["head_s"].items()},
+                None if held is None else float(held),
             )
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
@@ -325,6 +359,7 @@ class CostCache:
             "key": self.key,
             "verify_s": {str(k): v for k, v in costs.verify_s.items()},
             "head_s": {str(k): v for k, v in costs.head_s.items()},
+            "held_row_s": costs.held_row_s,
         }
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
