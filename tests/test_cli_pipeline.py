@@ -88,6 +88,10 @@ def test_sigint_keeps_finished_lines_prints_the_summary_and_exits_130(tiny: Path
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**ENV, "PATH": "/usr/bin:/bin"},
+        # A suite started as a background job (`make test &` in a script)
+        # inherits SIGINT ignored, and Python then installs no handler: the
+        # child gets the default disposition, as a terminal's job has.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdin is not None and proc.stdout is not None
     # Standard input stays open: the run waits for more lines after these.
