@@ -330,13 +330,19 @@ def test_a_chain_may_pay_by_its_confidence_bins_as_often_as_the_run_meets_them()
     assert budget.chain_margin(4)[0] == pytest.approx(0.175, abs=0.02)
 
 
-def test_a_look_must_repay_the_rows_it_feeds_the_head_before_the_line_ends() -> None:
+def one_sequence_costs() -> tuple[CostModel, DraftBudget]:
+    """Verifies of 1 and 2 rows at 10 and 11 ms, head forwards at 1 ms (1
+    sequence) and 8 ms (16)."""
     costs = CostModel(FakeClock())
     costs.verify.observe(1, 0.010)
     costs.verify.observe(2, 0.011)
     costs.head.observe(1, 0.001)
     costs.head.observe(16, 0.008)
-    budget = DraftBudget(costs)
+    return costs, DraftBudget(costs)
+
+
+def test_a_look_must_repay_the_rows_it_feeds_the_head_before_the_line_ends() -> None:
+    costs, budget = one_sequence_costs()
     # At 1 sequence, 100 tokens/s: a sure draft adds 1 - 0.1 (its row) - 0.1
     # (the head) = 0.8 token a step at most.
     margin, rate = budget.chain_margin(1)
@@ -367,12 +373,7 @@ def test_a_look_must_repay_the_rows_it_feeds_the_head_before_the_line_ends() -> 
 def test_a_chain_worth_its_share_waits_while_its_held_rows_would_not_be_repaid() -> None:
     # The costs of the test above: a sure draft adds 0.8 token a step at one
     # sequence, a held row costs 0.5 ms, 0.05 token at 100 tokens/s.
-    costs = CostModel(FakeClock())
-    costs.verify.observe(1, 0.010)
-    costs.verify.observe(2, 0.011)
-    costs.head.observe(1, 0.001)
-    costs.head.observe(16, 0.008)
-    budget = DraftBudget(costs)
+    _, budget = one_sequence_costs()
 
     def line(tokens_left: int, held: int) -> SeqState:
         request = Request("a", (1, 2, 3), SamplingParams(max_tokens=tokens_left))
