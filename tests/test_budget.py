@@ -330,6 +330,26 @@ def test_a_chain_may_pay_by_its_confidence_bins_as_often_as_the_run_meets_them()
     assert budget.chain_margin(4)[0] == pytest.approx(0.175, abs=0.02)
 
 
+def test_the_chain_margin_kept_between_asks_follows_every_figure_it_reads() -> None:
+    costs = CostModel(FakeClock())
+    for rows, seconds in ((4, 0.020), (8, 0.025)):
+        costs.verify.observe(rows, seconds)
+    costs.head.observe(4, 0.004)
+    budget = DraftBudget(costs)
+    first = budget.chain_margin(4)[0]
+    assert first == pytest.approx(0.55) and budget.chain_margin(4)[0] == first
+    # Each figure below moves by ALPHA (0.15) towards what is measured.
+    costs.head.observe(4, 0.008)  # the head: 4.6 ms, its share 0.2 -> 0.23 token
+    assert budget.chain_margin(4)[0] == pytest.approx(0.52)
+    costs.verify.observe(8, 0.030)  # 8 rows: 25.75 ms, a row 0.25 -> 0.2875 token
+    assert budget.chain_margin(4)[0] == pytest.approx(0.4825)
+    costs.observe_other(0.020)  # a 40 ms step: every token's share halves
+    assert budget.chain_margin(4)[0] == pytest.approx(0.74125)
+    budget.rates.observe(("mtp", 0, 5), False)  # a first draft missed: worth 2/3
+    assert budget.chain_margin(4)[0] == pytest.approx(2 / 3 - 0.14375 - 0.115)
+    assert budget.chain_margin(2) != budget.chain_margin(4)
+
+
 def one_sequence_costs() -> tuple[CostModel, DraftBudget]:
     """Verifies of 1 and 2 rows at 10 and 11 ms, head forwards at 1 ms (1
     sequence) and 8 ms (16)."""

@@ -115,6 +115,7 @@ class Rates:
     def __init__(self, decay: float, strength: float, prior: Rates | None = None) -> None:
         self.decay, self.strength, self.prior = decay, strength, prior
         self._counts: dict[Key, tuple[float, float]] = {}
+        self.observed = 0  # observations so far: a figure derived from these keeps till it moves
 
     def rate(self, key: Key) -> float:
         accepted, seen = self._counts.get(key, (0.0, 0.0))
@@ -132,6 +133,7 @@ class Rates:
     def observe(self, key: Key, accepted: bool) -> None:
         old_accepted, old_seen = self._counts.get(key, (0.0, 0.0))
         self._counts[key] = (old_accepted * self.decay + accepted, old_seen * self.decay + 1.0)
+        self.observed += 1
         if self.prior is not None:
             self.prior.observe(key, accepted)
 
@@ -151,10 +153,12 @@ class SeqBudget:
     since_chain: int = 0  # steps since the chain last drafted
     explore_every: int = EXPLORE_EVERY  # steps between looks while it rests
     held: list[tuple[int, list[int], torch.Tensor]] = field(default_factory=list)
+    _held_count: int = 0  # rows in ``held``: asked several times a step by every line
 
     def hold(self, start: int, next_ids: list[int], rows: torch.Tensor) -> None:
         """Keeps a verify's final rows for the head instead of feeding them."""
         self.held.append((start, next_ids, rows.clone()))
+        self._held_count += len(next_ids)
         self.chain_keys = []
 
     def release(
@@ -167,11 +171,11 @@ class SeqBudget:
         first = self.held[0][0]
         ids = [t for _, held_ids, _ in self.held for t in held_ids] + next_ids
         hidden = torch.cat([r for _, _, r in self.held] + [rows])
-        self.held = []
+        self.held, self._held_count = [], 0
         return first, ids, hidden
 
     def held_rows(self) -> int:
-        return sum(len(ids) for _, ids, _ in self.held)
+        return self._held_count
 
     def chain_gains(self, drafts: int) -> list[float]:
         return _cumulative(self.rates.rate(k) for k in self.chain_keys[:drafts])
@@ -248,6 +252,9 @@ class DraftBudget:
         self._scout_every = EXPLORE_EVERY  # steps between looks of chains not valued
         self._scouted = -1  # the plan count of the last such look
         self._plan: Plan | None = None
+        # ``chain_margin``'s last answer, by live count and the versions of
+        # what it reads: every resting line of a batch asks it every step.
+        self._margin: tuple[object, tuple[float, float]] | None = None
 
     def for_seq(self, seq: SeqState) -> SeqBudget:
         """A sequence's budget; a new one starts from what the chain has been
@@ -295,6 +302,12 @@ class DraftBudget:
         account of the copies or drafts the plan would otherwise verify (a
         chain only ever replaces them), nor of how few sequences a head
         forward lately fed."""
+        key = (live, self.costs.version, self.rates.observed)
+        if self._margin is None or self._margin[0] != key:
+            self._margin = key, self._chain_margin(live)
+        return self._margin[1]
+
+    def _chain_margin(self, live: int) -> tuple[float, float]:
         step_s = self.costs.step_s(live)
         if step_s <= 0:  # nothing measured yet
             return 1.0, 0.0

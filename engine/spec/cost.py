@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -86,6 +87,10 @@ CACHE_FORMAT = 3
 
 Clock = Callable[[], float]
 
+# Versions of estimates: a new number on every change of any of them, so a
+# figure derived from several can be kept until one of them moves.
+_VERSIONS = itertools.count(1)
+
 
 def bucket(rows: int) -> int:
     """The bucket a verify of ``rows`` rows is kept in: exact up to 16, then
@@ -107,6 +112,7 @@ class RunningCosts:
         self._keys: list[int] = sorted(self._by_bucket)
         self._monotone: dict[int, float] = {}
         self._line: tuple[float, float] | None = None  # (cost at FINE_ROWS, per row)
+        self.version = next(_VERSIONS)
         self._repair()
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -123,6 +129,7 @@ class RunningCosts:
         else:
             self._by_bucket[key] = old + ALPHA * (min(seconds, SPIKE * old) - old)
             self._rows[key] += ALPHA * (rows - self._rows[key])
+        self.version = next(_VERSIONS)
         self._repair()
 
     def _repair(self) -> None:
@@ -202,7 +209,13 @@ class CostModel:
         self.other_s = 0.0
         self._other_seen = False
         self._held_row_s: float | None = None
+        self._other_version = next(_VERSIONS)
         self.calibrated = False
+
+    @property
+    def version(self) -> tuple[int, int, int]:
+        """Changes whenever ``step_s`` or ``head`` may answer differently."""
+        return self.verify.version, self.head.version, self._other_version
 
     def step_s(self, rows: int) -> float:
         """Predicted seconds of a step that verifies ``rows`` rows (the head's
@@ -210,6 +223,7 @@ class CostModel:
         return self.verify.predict(rows) + self.other_s
 
     def observe_other(self, seconds: float) -> None:
+        self._other_version = next(_VERSIONS)
         seconds = max(seconds, 0.0)
         if not self._other_seen:
             self.other_s, self._other_seen = seconds, True
