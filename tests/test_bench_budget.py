@@ -87,10 +87,15 @@ def test_configurations_take_turns_step_by_step_each_on_its_own_model(
         assert {k: list(v) for k, v in outputs.items()} == {
             r.request_id: reference_greedy(reference, r.prompt_ids, 40) for r in requests
         }
-    # Round 1: the second configuration goes first, then they alternate step
-    # by step (a step is one forward or a few) until the MTP engine, whose
-    # oracle drafts are always accepted, is done; the other one ends alone.
-    turns = [key for key, _ in itertools.groupby(order)]
-    assert turns[:6] == ["MTP", "no drafts"] * 3
-    assert turns.count("MTP") >= 3 and turns[-1] == "no drafts"
-    assert turns == ["MTP", "no drafts"] * turns.count("MTP")
+    # Round 1: level at the start, the second configuration goes first. From
+    # then on the one that has written fewer tokens steps: the MTP engine's
+    # oracle drafts are always accepted (4 tokens a step), so the other one
+    # takes several steps to each of its, and neither runs on alone for
+    # more than a step's worth of the other's tokens. (Taking one step
+    # each in turn, the MTP engine ended with most of the other's steps to go.)
+    turns = [(key, len(list(group))) for key, group in itertools.groupby(order)]
+    assert turns[0][0] == "MTP"
+    assert max(n for key, n in turns if key == "no drafts") >= 3
+    assert max(n for key, n in turns if key == "MTP") <= 2
+    tail = list(itertools.takewhile(lambda k: k == order[-1], reversed(order)))
+    assert len(tail) <= 5

@@ -11,17 +11,23 @@ each:
   ladder and copy windows, ``--draft-policy fixed``);
 - the draft budget over both sources (``--draft-policy auto``, the default).
 
-How they take turns: step by step. Each round builds a fresh engine per
-configuration, each on its own loaded copy of the model (an engine's caches
-live in the model), and the five run at once, one step of each in turn (who
-goes first rotates every step; ``Engine.steps``); a configuration's time is
-the sum of its own steps. At ``--batch`` an engine decodes the batch as one
-run; at batch 1 it decodes the requests in order, one at a time. The speed
-of a shared machine drifts by 10-40% over tens of seconds: a configuration
-whose run fell on a slow stretch was measured slow, first when each ran a
-whole batch in turn, and still, at 16 sequences, when they took turns run
-by run. Now every configuration meets each stretch alike, whatever the
-batch.
+How they take turns: step by step, in step with the text. Each round
+builds a fresh engine per configuration, each on its own loaded copy of the
+model (an engine's caches live in the model), and the five run at once: the
+one that has written the fewest tokens so far takes the next step (among
+those level, who goes first rotates; ``Engine.steps``), and a
+configuration's time is the sum of its own steps. Outputs are the same
+tokens in every configuration, so all five write the same stretch of text
+over the same stretch of wall time. At ``--batch`` an engine decodes the
+batch as one run; at batch 1 it decodes the requests in order, one at a
+time. The speed of a shared machine drifts by 10-40% over tens of seconds:
+a configuration whose run fell on a slow stretch was measured slow, first
+when each ran a whole batch in turn, then at 16 sequences when they took
+turns run by run, and still when each took one step in turn: at batch 1 on
+prose, copies took 1,360 steps for what no drafts took in 1,504 and the
+budget in 949, so the budget's run ended with a third of the others' steps
+to go, and those met stretches of the machine it never saw (paired ratios
+of the same code moved by 10% and more from round to round).
 
 It prints each one's median tokens/s, which fixed configuration was best
 (the highest median), and the budget's ratio to it twice: the ratio of the
@@ -90,7 +96,8 @@ def step_by_step(
     round_: int,
 ) -> dict[str, tuple[float, Outputs]]:
     """One round (module doc): per configuration, the seconds its engine
-    spent in its own steps, and its outputs. Each configuration runs on its
+    spent in its own steps, and its outputs; the one that has generated the
+    fewest tokens steps next. Each configuration runs on its
     own loaded copy of the model (an engine's caches live in the model, and
     here every engine is mid-run at once)."""
     keys = list(configs)
@@ -105,20 +112,22 @@ def step_by_step(
 
     running = {key: steps(engines[key]) for key in keys}
     seconds = dict.fromkeys(keys, 0.0)
+    written = dict.fromkeys(keys, 0)  # tokens each has generated so far
     outputs: dict[str, Outputs] = {key: {} for key in keys}
     for turn in itertools.count(round_):
-        live = [key for key in keys if key in running]
-        if not live:
+        if not running:
             break
-        shift = turn % len(live)
-        for key in live[shift:] + live[:shift]:
-            began = time.perf_counter()
-            results = next(running[key], None)
-            seconds[key] += time.perf_counter() - began
-            if results is None:
-                del running[key]
-                continue
-            outputs[key].update((r.request_id, r.output_ids) for r in results)
+        least = min(written[key] for key in running)
+        behind = [key for key in keys if key in running and written[key] == least]
+        key = behind[turn % len(behind)]
+        began = time.perf_counter()
+        results = next(running[key], None)
+        seconds[key] += time.perf_counter() - began
+        if results is None:
+            del running[key]
+            continue
+        written[key] = engines[key].stats().generated_tokens
+        outputs[key].update((r.request_id, r.output_ids) for r in results)
     return {key: (seconds[key], outputs[key]) for key in keys}
 
 
