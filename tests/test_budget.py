@@ -672,6 +672,26 @@ def test_the_cost_model_predicts_the_steps_it_measures() -> None:
     assert 0 < budget.mtp_acceptance[0] < 1
 
 
+@pytest.mark.parametrize("every_s", [0.0, float("inf")])
+def test_the_budget_figures_are_published_at_most_so_often_and_whole_at_the_end(
+    every_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("metrale.engine.engine._BUDGET_PUBLISH_S", every_s)
+    engine, _ = costed_engine("cpu", mtp_mode="right", lookup=LOOKUP)
+    reqs = [Request(str(i), tuple(p), SamplingParams(max_tokens=40)) for i, p in enumerate(PROMPTS)]
+    during = []
+    for _ in engine.steps(reqs):
+        budget = engine.stats().budget
+        assert budget is not None
+        during.append(budget.steps)
+    final = engine.stats().budget
+    assert final is not None and final.steps == engine.stats().verifies > 10
+    if every_s == 0.0:  # every step: the figures count up to the end
+        assert during == sorted(during) and during[-1] == final.steps
+    else:  # never while running: the first step's figures, then the end's
+        assert len(set(during)) == 1 and during[0] < final.steps
+
+
 @pytest.mark.parametrize("cost", list(COSTS))
 @pytest.mark.parametrize("mtp_mode", ["right", "mixed", "wrong"])
 @pytest.mark.parametrize("batch", [1, 4])
