@@ -196,6 +196,46 @@ def test_resting_chains_look_in_the_same_step() -> None:
     assert looks[1] == [16, 32]
 
 
+def test_looks_that_feed_the_head_more_than_a_forward_go_one_a_step() -> None:
+    costs = CostModel(FakeClock())
+    costs.head.observe(1, 0.001)
+    costs.head.observe(4, 0.002)
+    costs.verify.observe(4, 0.010)
+    costs.verify.observe(8, 0.012)
+    costs.observe_held(100, 1, 1, 0.006)  # a held row: 0.05 ms, 20 of them a forward
+    budget = DraftBudget(costs)
+
+    def line(slot: int, held: int) -> SeqState:
+        seq = SeqState(
+            Request(str(slot), (1, 2, 3), SamplingParams(max_tokens=500)),
+            slot,
+            1024,
+            frozenset(),
+            None,
+            None,
+        )
+        budget.for_seq(seq).chain_value = 0.0  # valued, and not worth its share
+        budget.for_seq(seq).hold(3, [5] * held, torch.zeros(held, 4))
+        return seq
+
+    # Two lines hold a prompt of 100 rows (5 ms to feed), two hold 10 (0.5 ms).
+    seqs = [line(0, 100), line(1, 100), line(2, 10), line(3, 10)]
+    looks: dict[int, list[int]] = {seq.slot: [] for seq in seqs}
+    for step in range(1, 25):
+        budget.plan([Candidates(seq, 1, [], []) for seq in seqs])
+        for seq in seqs:
+            if budget.wants_chain(seq, 4):
+                looks[seq.slot].append(step)
+                budget.for_seq(seq).release(0, [], torch.zeros(0, 4))
+            else:
+                budget.for_seq(seq).hold(0, [5], torch.zeros(1, 4))
+    # The light lines look together on steps 8 and 16. Of the heavy ones,
+    # one looks on step 8 and the other waits for the next look step, 16
+    # (by then the first holds 8 rows, and looks with the light ones).
+    assert looks[2] == looks[3] == [8, 16]
+    assert looks[0] == [8, 16] and looks[1] == [16]
+
+
 def test_where_drafts_do_not_pay_the_head_reads_no_prompt() -> None:
     read, forwards = {}, {}
     for cost in ("free", "dear"):
