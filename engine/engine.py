@@ -138,6 +138,7 @@ class Engine:
         self._free_slots = list(range(self._num_slots - 1, -1, -1))
         self._waiting: deque[Request] = deque()
         self._stream_done = False  # the request stream has ended: no line will join
+        self._ended_on_its_own = False  # a line of this run ended before its max_tokens
         self._prefilling: list[SeqState] = []
         self._decoding: list[SeqState] = []
         self._counters = RunCounters()
@@ -211,7 +212,7 @@ class Engine:
             self._publish(final=True)
 
     def _run(self, stream: Iterator[Request | None]) -> Iterator[list[Result]]:
-        self._stream_done = False
+        self._stream_done = self._ended_on_its_own = False
         while True:
             # Pull only what the free slots can take this step, so a huge
             # stream is read as it is consumed.
@@ -614,8 +615,9 @@ class Engine:
     def _ahead(self, batch: list[SeqState]) -> set[int]:
         """The slots of the lines that draft nothing this step under the
         budget: in a drain (the stream has ended and nothing waits), those
-        ahead of the run's last line (``spec/choose.py``, ``lines_ahead``)."""
-        if not self._stream_done or self._waiting:
+        ahead of the run's last line (``spec/choose.py``, ``lines_ahead``),
+        while no line of the run has ended on its own."""
+        if not self._stream_done or self._waiting or self._ended_on_its_own:
             return set()
         return lines_ahead([s for s in batch if not s.finished], self._prefilling)
 
@@ -624,6 +626,7 @@ class Engine:
         for seq in finished:
             if seq in self._decoding:
                 self._decoding.remove(seq)
+            self._ended_on_its_own |= seq.finish_reason == "stop"
             self._free_slots.append(seq.slot)
             if self._shared is not None and seq.scope is not None and seq.error is None:
                 self._shared.insert(seq.scope, seq.history)

@@ -680,6 +680,36 @@ def test_in_a_drain_a_line_that_finishes_first_anyway_drafts_nothing() -> None:
             assert max(drafts[1]) > 0  # while the stream runs, every token counts
 
 
+def test_the_drain_stops_once_a_line_has_ended_on_its_own() -> None:
+    # A stream of three lines that then ends. The drain holds back the
+    # 16-token line, ahead of the 40-token ones, all the way; unless the
+    # first line ends at end of sequence, six tokens in: from then on which
+    # line ends last cannot be told from tokens left, and it drafts again.
+    probe = FakeModel(num_slots=4)
+    eos = reference_greedy(probe, PROMPTS[2], 6)[-1]
+    lines = {"first": (PROMPTS[2], 40), "long": (PROMPTS[0], 40), "short": (PROMPTS[1], 16)}
+    short_drafts = {}
+    for ends in ((), (eos,)):
+        expected = {name: reference_greedy(probe, p, n, ends) for name, (p, n) in lines.items()}
+        lengths = [len(expected[name]) for name in lines]
+        assert lengths == ([6, 40, 16] if ends else [40, 40, 16])  # only the first ends early
+        engine, model = costed_engine("cpu", mtp_mode="right")
+        reqs = [
+            Request(name, tuple(p), SamplingParams(max_tokens=n, eos_token_ids=ends))
+            for name, (p, n) in lines.items()
+        ]
+        outputs = {r.request_id: list(r.output_ids) for r in engine.generate(reqs)}
+        assert outputs == expected
+        short_drafts[ends] = [
+            len(seg.token_ids) - 1
+            for forward in model.forwards
+            for seg in forward
+            if seg.slot == 2 and seg.start >= len(PROMPTS[1])
+        ]
+    assert set(short_drafts[()]) == {0}
+    assert max(short_drafts[(eos,)]) > 0
+
+
 def test_in_a_drain_a_line_ahead_still_verifies_its_copies() -> None:
     # The drain rests the chains of lines ahead, not their copies: a copy
     # costs no head forward, and a line may end at EOS long before the

@@ -36,8 +36,14 @@ the drain counts it so (README, "The defaults choose", has the figures).
 A line a token or two ahead of the others is not among them while drafts
 pay: stopping it would make it the last. A line that ends on its own (end
 of sequence, a stop string) cannot be told apart early; it counts as having
-its ``max_tokens`` left. While the stream runs (or requests wait) every
-token counts alike, as before. Whether a line drafts depends only on what
+its ``max_tokens`` left. Once one line of the run has ended on its own, the
+others' tokens left are no guide to which ends last (the line that has
+written most, held back as ahead, may well be the longest), and the drain
+stops for the rest of the run (``Engine._ahead``); the drain was made for
+a batch whose lines all run to ``max_tokens``. (On JSON rewrites at 16
+lines, whose answers end at end of sequence, the two rules came out alike
+in one same-run comparison.) While the stream runs (or requests wait)
+every token counts alike, as before. Whether a line drafts depends only on what
 was emitted before the step, never on a draw.
 """
 
