@@ -250,7 +250,7 @@ class DraftBudget:
         self._steps = 0
         self._planned = 0  # plans made: the clock looks keep (``wants_chain``)
         self._scout_every = EXPLORE_EVERY  # steps between looks of chains not valued
-        self._scouted = -1  # the plan count of the last such look
+        self._scouted = -1  # the plan count of the last such look, or of a dear one
         self._plan: Plan | None = None
         # ``chain_margin``'s last answer, by live count and the versions of
         # what it reads: every resting line of a batch asks it every step.
@@ -430,9 +430,9 @@ class DraftBudget:
         would. Once a scout had valued chains not worth their share on a
         16-line batch of code edits, all 16 lines looked on step 8 with
         their prompts, 2,058 rows in a 174 ms head forward, 5% of the run,
-        and none of them found its chain worth it. A line ``ahead`` in a drain (``choose.lines_ahead``)
-        verifies no MTP draft, so its chain rests without looks until
-        ``HOLD_MAX`` rows wait.
+        and none of them found its chain worth it. A line ``ahead`` in a
+        drain (``choose.lines_ahead``) verifies no MTP draft, so its chain
+        rests without looks until ``HOLD_MAX`` rows wait.
 
         No look and no scout is made while it could not pay for the head's
         time over the rows the chain holds (``look_may_pay``): where a
