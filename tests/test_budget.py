@@ -346,14 +346,18 @@ def test_no_chain_could_pay_where_a_row_costs_a_token_and_could_as_the_batch_thi
     assert not budget(0.010).chain_may_pay(1)  # a head as dear as the step takes 1 token
 
 
-def test_a_chain_may_pay_by_its_confidence_bins_as_often_as_the_run_meets_them() -> None:
+def four_sequence_costs() -> tuple[CostModel, DraftBudget]:
+    """At 4 sequences: a 20 ms step, 1.25 ms a row; 200 tokens/s prices a
+    row at 0.25 token, and the head's share (4 ms / 4) at 0.2."""
     costs = CostModel(FakeClock())
-    # At 4 sequences: a 20 ms step, 1.25 ms a row; 200 tokens/s prices a
-    # row at 0.25 token, and the head's share (4 ms / 4) at 0.2.
     for rows, seconds in ((4, 0.020), (8, 0.025)):
         costs.verify.observe(rows, seconds)
     costs.head.observe(4, 0.004)
-    budget = DraftBudget(costs)
+    return costs, DraftBudget(costs)
+
+
+def test_a_chain_may_pay_by_its_confidence_bins_as_often_as_the_run_meets_them() -> None:
+    _, budget = four_sequence_costs()
     assert budget.chain_margin(4)[0] == pytest.approx(1.0 - 0.25 - 0.2)  # nothing scored: sure
     # 40 first drafts at low confidence, none accepted; 10 in the top bin,
     # all accepted: worth (1 - 0.25) a fifth of the steps, 0.15 token, under
@@ -371,11 +375,7 @@ def test_a_chain_may_pay_by_its_confidence_bins_as_often_as_the_run_meets_them()
 
 
 def test_the_chain_margin_kept_between_asks_follows_every_figure_it_reads() -> None:
-    costs = CostModel(FakeClock())
-    for rows, seconds in ((4, 0.020), (8, 0.025)):
-        costs.verify.observe(rows, seconds)
-    costs.head.observe(4, 0.004)
-    budget = DraftBudget(costs)
+    costs, budget = four_sequence_costs()
     first = budget.chain_margin(4)[0]
     assert first == pytest.approx(0.55) and budget.chain_margin(4)[0] == first
     # Each figure below moves by ALPHA (0.15) towards what is measured.
