@@ -462,22 +462,26 @@ class DraftBudget:
         if not self.look_may_pay(seq, live):
             return False
         if not valued:
-            if self._scouted == self._planned or self._planned % self._scout_every:
+            if self._planned % self._scout_every or not self._scout_turn():
                 return False
-            self._scouted = self._planned
             self._scout_every = min(2 * self._scout_every, EXPLORE_MAX)
             budget.since_chain = 0
             return True
         every = budget.explore_every
         if 2 * budget.since_chain < every or self._planned % every:
             return False
-        if self._feeds_more_than_a_forward(budget):  # a look that costs as a scout does
-            if self._scouted == self._planned:
-                return False
-            self._scouted = self._planned
+        if self._feeds_more_than_a_forward(budget) and not self._scout_turn():
+            return False  # a look that costs as a scout does waits for a scout's turn
         # A look that finds the chain still not worth it looks half as often.
         budget.since_chain = 0
         budget.explore_every = min(2 * every, EXPLORE_MAX)
+        return True
+
+    def _scout_turn(self) -> bool:
+        """Takes this step's one turn for a scout or a dear look, if still free."""
+        if self._scouted == self._planned:
+            return False
+        self._scouted = self._planned
         return True
 
     def _feeds_more_than_a_forward(self, budget: SeqBudget) -> bool:

@@ -59,6 +59,7 @@ Contract:
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import itertools
 import json
@@ -287,14 +288,9 @@ class CostModel:
             call, widest = head[0], feeds[-1]
             _time_widths(self.clock, lambda n: call(n, 1), feeds, self.head)
 
-            def whole_call(each: int) -> float:  # the better of two, after a warm-up
+            def whole_call(each: int) -> float:  # after a warm-up
                 call(widest, each)
-                spans = []
-                for _ in range(2):
-                    began = self.clock()
-                    call(widest, each)
-                    spans.append(self.clock() - began)
-                return min(spans)
+                return _better_of_two(self.clock, lambda: call(widest, each))[0]
 
             extra = whole_call(HELD_CALIBRATION_ROWS) - whole_call(1)
             self._held_row_s = max(extra, 0.0) / (widest * (HELD_CALIBRATION_ROWS - 1))
@@ -321,12 +317,19 @@ def _time_widths(
         return
     call(sizes[0])
     for size in sizes:
-        best = float("inf")
-        for _ in range(2):
-            began = clock()
-            units = call(size)
-            best = min(best, (clock() - began) / max(units or 1, 1))
-        into.observe(size, best)
+        seconds, units = _better_of_two(clock, functools.partial(call, size))
+        into.observe(size, seconds / max(units or 1, 1))
+
+
+def _better_of_two(clock: Clock, call: Callable[[], int | None]) -> tuple[float, int | None]:
+    """The shorter of two timed runs of ``call``, in seconds, and what it
+    returned (the same each time: the head forwards a drafter call ran)."""
+    best, result = float("inf"), None
+    for _ in range(2):
+        began = clock()
+        result = call()
+        best = min(best, clock() - began)
+    return best, result
 
 
 @dataclass(frozen=True)
