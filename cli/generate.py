@@ -125,7 +125,7 @@ def generate(
         int,
         option(
             "--prompt-lookup-miss-backoff",
-            "Cap of the cooldown after misses (0: none).",
+            "Cap of the cooldown after misses (0: none; fixed policy).",
             panel=SPECULATION,
         ),
     ] = 16,

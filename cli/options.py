@@ -308,13 +308,19 @@ PromptLookupMaxSeqsOpt = Annotated[
     option("--prompt-lookup-max-seqs", "No copies while more sequences run.", panel=SPECULATION),
 ]
 PromptLookupNgramOpt = Annotated[
-    int, option("--prompt-lookup-ngram", "N-gram length looked up.", panel=SPECULATION)
+    int,
+    option(
+        "--prompt-lookup-ngram",
+        "N-gram length looked up (fixed policy; auto copies from the longest agreement).",
+        panel=SPECULATION,
+    ),
 ]
 PromptLookupMinMatchOpt = Annotated[
     int,
     option(
         "--prompt-lookup-min-match",
-        "Tokens that must agree (never fewer than the n-gram).",
+        "Tokens that must agree (never fewer than the n-gram; under auto, a"
+        " shorter agreement asks the shared cache first).",
         panel=SPECULATION,
     ),
 ]

@@ -42,7 +42,13 @@ from metrale.engine.sampling import draw, make_generator, target_probs
 from metrale.engine.sequence import Decode, SeqState, error_result
 from metrale.engine.spec.acceptance import accept_greedy, accept_sampled
 from metrale.engine.spec.budget import HOLD_MAX, DraftBudget
-from metrale.engine.spec.choose import Offer, lines_ahead, score_offers, take_planned_drafts
+from metrale.engine.spec.choose import (
+    Offer,
+    lines_ahead,
+    peek_copy,
+    score_offers,
+    take_planned_drafts,
+)
 from metrale.engine.spec.constrained import (
     accept_constrained,
     check_drafts,
@@ -600,6 +606,9 @@ class Engine:
                 start, next_ids, rows = own.release(start, next_ids, rows)
             feeds.append(DraftFeed(seq, start, next_ids, self._chain_len(seq, running)))
             parts.append(rows)
+            if budget is not None:
+                length, agreement = peek_copy(seq, self._lookup, running)
+                budget.rival_copy(seq, length, agreement)
         if feeds:
             began, forwards = self._clock(), self._drafter.forwards
             self._drafter.feed_and_draft(feeds, torch.cat(parts))

@@ -26,6 +26,11 @@ _KEY_BITS = 21
 # sane ``miss_backoff``; capping the exponent keeps the shift small.
 _MAX_MISS_EXPONENT = 30
 
+# Longest-agreement copies: occurrences of the last token searched, newest
+# first, and tokens of agreement counted back at most.
+LONGEST_CANDIDATES = 32
+LONGEST_AGREEMENT = 32
+
 
 @dataclass(frozen=True)
 class PromptLookupConfig:
@@ -81,9 +86,28 @@ class PromptLookupSeq:
     Worked example (ngram 2, min_match 2): history ``[5, 6, 7, 5, 6]`` ends with
     ``(5, 6)``, whose latest earlier occurrence is followed by position 2; the
     copy is ``[7, 5, 6]`` cut to ``max_len``.
+
+    ``longest=True`` (the draft budget's copies, ``--draft-policy auto``):
+    the copy follows the earlier occurrence of the last token whose
+    preceding tokens agree longest with the history's own, however short
+    the agreement, and ``agreement`` says how long it was: the budget prices
+    a copy by it (a copy that agrees on 2 tokens is right about half as
+    often as one that agrees on 8 or more), so the n-gram, ``min_match``
+    and the miss cooldown, which guard a fixed rule against copies that
+    keep failing, do not apply; the fallback is still asked whenever the
+    own match agrees on fewer than ``min_match`` tokens. Example: in
+    ``[1, 2, 9, 5, 2, 8, 1, 2]`` the last token 2 follows ``1`` at position
+    1 and ``5`` at position 4; the first agrees on 2 tokens, so the copy is
+    ``[9, 5, 2, ...]`` with ``agreement`` 2 (the latest-occurrence rule,
+    ngram 1, would copy ``[8, 1, 2]``).
     """
 
-    def __init__(self, cfg: PromptLookupConfig) -> None:
+    def __init__(self, cfg: PromptLookupConfig, longest: bool = False) -> None:
+        self._longest = longest
+        # Longest-agreement mode: token -> positions just after each of its
+        # occurrences, oldest first (``_longest_copy``).
+        self._after: dict[int, list[int]] = {}
+        self.agreement = 0  # tokens the copy in flight agreed on before it; 0: unknown
         self._ngram = cfg.ngram
         self._min_match = cfg.effective_min_match
         self._max_drafts = cfg.max_drafts
@@ -140,12 +164,19 @@ class PromptLookupSeq:
         if self._cooldown > 0:
             self._cooldown -= 1
             return None
-        copy = self._own_copy(history, max_len)
+        self.agreement = 0
+        if self._longest:
+            copy = self._longest_copy(history, max_len)
+            weak = copy is None or self.agreement < self._min_match
+        else:
+            copy = self._own_copy(history, max_len)
+            weak = copy is None
         shared = False
-        if copy is None and fallback is not None:
+        if weak and fallback is not None:
             found = fallback(history, max_len)
             if found:
                 copy, shared = list(found[:max_len]), True
+                self.agreement = 0
         if copy is None:
             return None
         self._in_flight, self._in_flight_shared = len(copy), shared
@@ -176,7 +207,7 @@ class PromptLookupSeq:
             self._window = max(self._window // 2, 1)
         if accepted == 0:
             self._misses = min(self._misses + 1, _MAX_MISS_EXPONENT)
-            if self._miss_backoff:
+            if self._miss_backoff and not self._longest:
                 self._cooldown = min(1 << (self._misses - 1), self._miss_backoff)
         else:
             self._misses = 0
@@ -201,6 +232,62 @@ class PromptLookupSeq:
         if history[after - m : after] != history[end - m :]:
             return None
         return list(history[after : after + max_len])
+
+    def peek(self, history: Sequence[int], max_len: int) -> tuple[int, int]:
+        """``(length, agreement)`` of the copy a longest-agreement proposal
+        would make now, without proposing it: nothing is put in flight and
+        no cooldown moves; ``(0, 0)`` when there is none."""
+        if not self._longest or max_len < 1 or self._in_flight:
+            return 0, 0
+        found = self._longest_match(history)
+        if found is None:
+            return 0, 0
+        agreement, at = found
+        return min(max_len, len(history) - at), agreement
+
+    def _longest_copy(self, history: Sequence[int], max_len: int) -> list[int] | None:
+        """The continuation of the best longest-agreement match (``_longest_match``)."""
+        found = self._longest_match(history)
+        if found is None:
+            return None
+        self.agreement, at = found
+        return list(history[at : at + max_len])
+
+    def _longest_match(self, history: Sequence[int]) -> tuple[int, int] | None:
+        """``(agreement, position)``: of the earlier occurrences of the
+        history's last token, the one whose preceding tokens agree longest
+        with the history's own (the most recent among equals), searched over
+        the latest ``LONGEST_CANDIDATES`` occurrences and ``LONGEST_AGREEMENT``
+        tokens back, with the position just after it; None when the last
+        token never occurred before or agrees on fewer than ``min_match``."""
+        end = len(history)
+        after = self._after
+        if end < self._indexed_upto:  # a rewind: drop positions past the end
+            for kept in after.values():
+                while kept and kept[-1] >= end:
+                    kept.pop()
+            self._indexed_upto = end
+        for j in range(max(self._indexed_upto, 1), end):
+            after.setdefault(history[j - 1], []).append(j)
+        self._indexed_upto = end
+        if end < 2:
+            return None
+        last = history[end - 1]
+        positions = after.get(last)
+        if not positions:
+            return None
+        best, best_at = 0, 0
+        for j in reversed(positions[-LONGEST_CANDIDATES:]):
+            if j >= end or history[j - 1] != last:  # outside the contract: re-checked
+                continue
+            k = 1
+            while k < LONGEST_AGREEMENT and k < j and history[j - 1 - k] == history[end - 1 - k]:
+                k += 1
+            if k > best:
+                best, best_at = k, j
+                if k >= LONGEST_AGREEMENT:
+                    break
+        return (best, best_at) if best else None
 
     def _key(self, history: Sequence[int], end: int) -> int:
         """The index key of the n-gram ``history[end - ngram : end]``."""

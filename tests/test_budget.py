@@ -166,6 +166,48 @@ def test_a_head_forward_is_priced_as_shared_by_the_sequences_it_has_been_feeding
     assert not budget.wants_chain(seq, 16, ahead=True)
 
 
+def a_line(max_tokens: int = 64, slot: int = 0) -> SeqState:
+    request = Request(str(slot), (1, 2, 3), SamplingParams(max_tokens=max_tokens))
+    return SeqState(request, slot, 128, frozenset(), None, None)
+
+
+def test_a_copy_is_priced_by_how_long_its_source_agreed() -> None:
+    # Copies whose source agreed on 2 tokens are always wrong, those that
+    # agreed on 16 always right, both of the same line: each agreement's own
+    # estimate learns it, and the plan verifies only the one that agreed long.
+    costs = CostModel(FakeClock())
+    for rows in range(1, 6):
+        costs.verify.observe(rows, 0.010 + 0.002 * (rows - 1))
+    budget = DraftBudget(costs)
+    seq = a_line()
+    for _ in range(30):
+        budget.observe(seq, [7, 7, 7, 7, 7], [], [1, 2, 3, 4], agreement=2)
+        budget.observe(seq, [1, 2, 3, 4, 7], [], [1, 2, 3, 4], agreement=16)
+    own = budget.for_seq(seq)
+    assert own.copy_gains(4, 2)[-1] < 0.2
+    assert own.copy_gains(4, 16)[-1] > 3.5
+    copy = [1, 2, 3, 4]
+    assert budget.plan([Candidates(seq, 1, [], copy, agreement=2)]) == [("none", 0)]
+    assert budget.plan([Candidates(seq, 1, [], copy, agreement=16)]) == [("copy", 4)]
+
+
+def test_no_chain_position_is_run_where_a_copy_as_long_is_worth_as_much() -> None:
+    _, budget = one_sequence_costs()
+    budget.plan([Candidates(a_line(), 1, [], [])])  # sets the rate the chain is priced at
+    seq = a_line()
+    budget.start_chain(seq)
+    budget.drafted(seq, 0, None)  # the first draft, at the run's prior: 0.5
+    assert budget.deeper(seq, 1, 1)  # no copy: a second draft is worth its row and forward
+    own = budget.for_seq(seq)
+    chain_of_two = own.chain_gain + own.chain_odds * budget.rates.rate(("mtp", 1))
+    own.copy_rival = [0.9, chain_of_two - 0.01]
+    assert budget.deeper(seq, 1, 1)  # the copy of two drafts is worth less
+    own.copy_rival = [0.9, chain_of_two]
+    assert not budget.deeper(seq, 1, 1)
+    own.copy_rival = [chain_of_two]  # a copy of one draft, as good as a chain of two
+    assert not budget.deeper(seq, 1, 1)
+
+
 def test_resting_chains_look_in_the_same_step() -> None:
     costs = CostModel(FakeClock())
     costs.head.observe(1, 0.001)

@@ -97,13 +97,20 @@ def test_copies_change_the_number_of_verifies_not_the_output(
 
 
 class WrongCopies(PromptLookupSeq):
-    """Proposes the copy it would, with every token shifted: always wrong."""
+    """Proposes the copy it would, with every token shifted and the first
+    one never the default ``FakeModel``'s next token: always wrong."""
 
     def propose_with(
         self, history: Sequence[int], max_len: int, fallback: Fallback | None
     ) -> list[int] | None:
         copy = super().propose_with(history, max_len, fallback)
-        return None if copy is None else [(t + 1) % 16 for t in copy]
+        if copy is None:
+            return None
+        shifted = [(t + 1) % 16 for t in copy]
+        right = int(FakeModel().next_logits(history).argmax())
+        if shifted[0] == right:
+            shifted[0] = (right + 1) % 16
+        return shifted
 
 
 def test_copies_that_are_always_wrong_never_change_the_output(

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metrale.lookup import PromptLookupConfig, PromptLookupSeq
+from metrale.lookup.prompt_lookup import LONGEST_AGREEMENT, LONGEST_CANDIDATES
 
 # A small alphabet makes repeated n-grams, stale entries and near-misses common.
 histories = st.lists(st.integers(0, 3), max_size=60)
@@ -269,3 +270,116 @@ def test_config_defaults_are_the_ones_the_readme_documents():
         16,
     )
     assert PromptLookupConfig(ngram=10, min_match=8).effective_min_match == 10
+
+
+# -- longest agreement (the draft budget's copies) ---------------------------
+
+
+def reference_longest(history: Sequence[int], max_len: int) -> tuple[list[int], int] | None:
+    """Brute force: of the latest LONGEST_CANDIDATES earlier occurrences of the
+    last token, the one whose preceding tokens agree longest with the
+    history's (counted up to LONGEST_AGREEMENT), the latest among equals."""
+    h, end = list(history), len(history)
+    if end < 2:
+        return None
+    occurrences = [j for j in range(1, end) if h[j - 1] == h[end - 1]][-LONGEST_CANDIDATES:]
+    best: tuple[int, int] | None = None  # (agreement, position)
+    for j in occurrences:
+        k = 0
+        while k < min(j, LONGEST_AGREEMENT) and h[j - 1 - k] == h[end - 1 - k]:
+            k += 1
+        if best is None or k >= best[0]:
+            best = (k, j)
+    if best is None:
+        return None
+    return h[best[1] : best[1] + max_len], best[0]
+
+
+def make_longest(min_match: int = 8, backoff: int = 16) -> PromptLookupSeq:
+    return PromptLookupSeq(PromptLookupConfig(min_match=min_match, miss_backoff=backoff), True)
+
+
+def proposed(seq: PromptLookupSeq, history: Sequence[int], max_len: int):
+    copy = seq.propose(history, max_len)
+    return None if copy is None else (copy, seq.agreement)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=120), max_lens)
+def test_longest_copy_equals_brute_force_reference(history, max_len):
+    assert proposed(make_longest(), history, max_len) == reference_longest(history, max_len)
+
+
+@settings(max_examples=100, deadline=None)
+@given(histories, max_lens)
+def test_longest_incremental_indexing_equals_one_shot(history, max_len):
+    growing = make_longest()
+    for end in range(len(history) + 1):
+        prefix = history[:end]
+        assert proposed(growing, prefix, max_len) == reference_longest(prefix, max_len)
+        growing.abandon()
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories, st.integers(0, 60), histories, histories)
+def test_longest_copy_after_a_rewind_or_an_unrelated_history_is_the_reference(
+    old, keep, new, unrelated
+):
+    seq = make_longest()
+    kept = old[: min(keep, len(old))]
+    for seen in (old, kept):
+        seq.propose(seen, 8)
+        seq.abandon()
+    assert proposed(seq, kept + new, 8) == reference_longest(kept + new, 8)
+    seq.abandon()
+    # Outside the contract the index may miss matches, never supply a wrong copy.
+    got = proposed(seq, unrelated, 8)
+    if got is not None:
+        copy, agreement = got
+        end = len(unrelated)
+        assert any(
+            unrelated[j - agreement : j] == unrelated[end - agreement :]
+            and copy == unrelated[j : j + 8]
+            for j in range(agreement, end)
+        )
+
+
+def test_longest_copy_prefers_the_longer_agreement_to_the_latest_occurrence():
+    seq = make_longest()
+    assert seq.propose([1, 2, 9, 5, 2, 8, 1, 2], 3) == [9, 5, 2]
+    assert seq.agreement == 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(histories, max_lens)
+def test_peek_tells_the_proposal_without_putting_it_in_flight(history, max_len):
+    seq = make_longest()
+    expected = reference_longest(history, max_len)
+    assert seq.peek(history, max_len) == ((len(expected[0]), expected[1]) if expected else (0, 0))
+    assert seq.in_flight == 0
+    assert proposed(seq, history, max_len) == expected
+
+
+def test_a_longest_copy_that_misses_leaves_no_cooldown():
+    seq = make_longest()
+    for _ in range(4):
+        assert seq.propose([3, 1, 3, 1], 2) == [3, 1]
+        seq.settle(0)
+    assert seq.cooldown == 0
+
+
+def test_longest_copies_ask_the_fallback_when_they_agree_on_fewer_than_min_match():
+    calls: list[int] = []
+
+    def fallback(history: Sequence[int], max_len: int) -> list[int] | None:
+        calls.append(max_len)
+        return [9] * 20
+
+    seq = make_longest(min_match=4)
+    # Agrees on 2 tokens: the shared cache's copy is taken, its agreement unknown.
+    assert seq.propose_with([1, 2, 9, 5, 2, 8, 1, 2], 3, fallback) == [9, 9, 9]
+    assert seq.in_flight_shared and seq.agreement == 0 and calls == [3]
+    # Agrees on 4: the own copy, the fallback not asked.
+    seq = make_longest(min_match=4)
+    assert seq.propose_with([4, 1, 2, 3, 7, 6, 4, 1, 2, 3], 2, fallback) == [7, 6]
+    assert not seq.in_flight_shared and seq.agreement == 4 and calls == [3]

@@ -7,12 +7,16 @@ verify with ``observe`` and the step with ``end_step``; and the MTP drafter,
 which asks ``deeper`` before each further chain position.
 
 Estimates (``Rates``): the probability that a draft is accepted given that
-every draft before it was, per key: ``("copy", position)`` for prompt-lookup
-copies, and for the MTP chain ``("mtp", depth, confidence bin)`` (the
-module's own top probability, binned) and ``("mtp", depth)``. The run's
-estimate of a key starts from a coarser one (``_parent``: a bin from its
-depth, a position from the one before it), so what one key has seen informs
-those not seen yet. Each sequence keeps its own decayed counts, with the
+every draft before it was, per key: for prompt-lookup copies
+``("copy", position, agreement bin)`` (how many tokens before the copied
+stretch agreed with the line's own, binned: a copy that agreed on 1 token
+was right a quarter of the time on the sample sets, on 2 about half, on 8
+or more four times in five) and ``("copy", position)``; for the MTP chain
+``("mtp", depth, confidence bin)`` (the module's own top probability,
+binned) and ``("mtp", depth)``. The run's estimate of a key starts from a
+coarser one (``_parent``: a bin from its position or depth, a position
+from the one before it), so what one key has seen informs those not seen
+yet. Each sequence keeps its own decayed counts, with the
 run-wide estimate as its prior, so a new sequence starts from what the run
 has seen and an old one follows its own text. For a greedy request every draft source is scored after the verify
 against the tokens it produced, whether it was verified or not: a draft
@@ -27,7 +31,9 @@ maximising expected tokens over the predicted step time (``cost.py``) wins.
 The chain: the first MTP draft comes with the head forward that takes the
 verified rows, so it is always drafted; the head runs one more position for a
 sequence only when the draft there, with every one before it, is likely
-enough to be worth its verify row at the current rate (``deeper``).
+enough to be worth its verify row at the current rate, and only while the
+copy the line will be offered next, as long or shorter, is not expected to
+accept as many (``deeper``, ``rival_copy``): the plan would take the copy.
 
 Exactness: the plan only decides how many drafts a verify checks. For a
 sampled request nothing it uses depends on a draft's draw: its first draft is
@@ -54,6 +60,9 @@ Key = tuple[object, ...]
 
 # Copy positions beyond this share one estimate.
 COPY_POSITIONS = 8
+# Upper edges (exclusive) of the bins a copy is scored in by the tokens its
+# source agreed on before it.
+AGREEMENT_EDGES = (2, 3, 4, 8, 16)
 # Upper edges of the confidence bins an MTP draft is scored in.
 CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.85, 0.95)
 # What a run believes of a first draft before it has seen one, and how
@@ -102,7 +111,7 @@ def _parent(key: Key) -> Key | None:
     """The estimate a key's own starts from: an MTP draft's confidence bin
     from its depth; a depth, or a copy position, from the one before it (a
     chain that has held so far is believed to hold on); None: ``FIRST_PRIOR``."""
-    if key[0] == "mtp" and len(key) == 3:
+    if len(key) == 3:
         return key[:2]
     position = int(key[1])  # type: ignore[call-overload]
     first = 0 if key[0] == "mtp" else 1
@@ -146,6 +155,10 @@ class SeqBudget:
     rates: Rates
     chain_keys: list[Key] = field(default_factory=list)  # one per MTP draft, in order
     chain_odds: float = 1.0  # the chance every chain draft so far is accepted
+    chain_gain: float = 0.0  # expected accepted drafts of the chain so far
+    # Expected accepted drafts of the copy this line will be offered, by its
+    # length (``DraftBudget.rival_copy``); [] when none.
+    copy_rival: list[float] = field(default_factory=list)
     # Expected tokens a step the chain added over the other source: decayed
     # over the steps whose plan could choose it; at first, the run's figure,
     # or None before the run has one (``DraftBudget.base_value``).
@@ -180,20 +193,28 @@ class SeqBudget:
     def chain_gains(self, drafts: int) -> list[float]:
         return _cumulative(self.rates.rate(k) for k in self.chain_keys[:drafts])
 
-    def copy_gains(self, drafts: int) -> list[float]:
+    def copy_gains(self, drafts: int, agreement: int = 0) -> list[float]:
         """A copy of 4 or more is verified at a power-of-two width only
         (``copies.bucket_copy``): a width between gains no more than the one
         below it, so the plan never picks it."""
-        gains = _cumulative(self.rates.rate(_copy_key(j)) for j in range(1, drafts + 1))
+        gains = _cumulative(self.rates.rate(k) for k in _copy_keys(drafts, agreement))
         return [gains[bucket_width(n) - 1] for n in range(1, drafts + 1)]
 
 
-def _copy_key(position: int) -> Key:
-    return ("copy", min(position, COPY_POSITIONS))
+def _copy_key(position: int, agreement: int = 0) -> Key:
+    key: Key = ("copy", min(position, COPY_POSITIONS))
+    return key if agreement <= 0 else (*key, agreement_bin(agreement))
 
 
-def _copy_keys(drafts: int) -> list[Key]:
-    return [_copy_key(j) for j in range(1, drafts + 1)]
+def _copy_keys(drafts: int, agreement: int = 0) -> list[Key]:
+    return [_copy_key(j, agreement) for j in range(1, drafts + 1)]
+
+
+def agreement_bin(agreement: int) -> int:
+    for index, edge in enumerate(AGREEMENT_EDGES):
+        if agreement < edge:
+            return index
+    return len(AGREEMENT_EDGES)
 
 
 def _prefix(agreed: Sequence[bool]) -> list[bool]:
@@ -230,6 +251,7 @@ class Candidates:
     sure_rows: int  # 1 + forced drafts
     chain: list[int]  # its MTP drafts (after any forced run)
     copy: list[int]  # its copy proposal; [] when none
+    agreement: int = 0  # tokens the copy's source agreed on before it; 0: unknown
 
 
 class DraftBudget:
@@ -352,7 +374,7 @@ class DraftBudget:
                 opts.append(budget.chain_gains(len(c.chain)))
                 names.append("mtp")
             if c.copy:
-                opts.append(budget.copy_gains(len(c.copy)))
+                opts.append(budget.copy_gains(len(c.copy), c.agreement))
                 names.append("copy")
             options.append(opts)
             sources.append(names)
@@ -489,6 +511,14 @@ class DraftBudget:
         a head forward of its own (``wants_chain``: such looks go one a step)."""
         return budget.held_rows() * self.costs.held_row_s() > self.costs.head.predict(1)
 
+    def rival_copy(self, seq: SeqState, length: int, agreement: int) -> None:
+        """The copy ``seq`` will be offered next (``length`` drafts, 0: none):
+        a chain position is not run where a copy of as many drafts or fewer
+        is expected to accept as many (``deeper``), since the plan would
+        take the copy and the head forward would be spent for nothing."""
+        budget = self.for_seq(seq)
+        budget.copy_rival = budget.copy_gains(length, agreement) if length else []
+
     def head_fed(self, feeds: int) -> None:
         """A head forward after a verify fed ``feeds`` sequences."""
         self.sharers += SHARERS_ALPHA * (feeds - self.sharers)
@@ -502,7 +532,7 @@ class DraftBudget:
 
     def start_chain(self, seq: SeqState) -> None:
         budget = self.for_seq(seq)
-        budget.chain_keys, budget.chain_odds = [], 1.0
+        budget.chain_keys, budget.chain_odds, budget.chain_gain = [], 1.0, 0.0
 
     def drafted(self, seq: SeqState, depth: int, top_prob: float | None) -> None:
         """Records the chain's draft at ``depth`` (``top_prob``: the module's
@@ -511,32 +541,44 @@ class DraftBudget:
         key: Key = ("mtp", depth) if top_prob is None else ("mtp", depth, confidence_bin(top_prob))
         budget.chain_keys.append(key)
         budget.chain_odds *= budget.rates.rate(key)
+        budget.chain_gain += budget.chain_odds
 
     def deeper(self, seq: SeqState, depth: int, live: int) -> bool:
         """Whether the head runs chain position ``depth`` for ``seq``, given the
         drafts before it and ``live`` sequences sharing that head forward."""
         budget = self.for_seq(seq)
         worth = budget.chain_odds * budget.rates.rate(("mtp", depth))
+        rival = budget.copy_rival
+        if rival and rival[min(depth, len(rival) - 1)] >= budget.chain_gain + worth:
+            return False  # a copy of as many drafts or fewer is worth as much
         head = self.costs.head.predict(live) / max(live, 1)
         return worth >= self.rate_s * (ROW_SHARE * self.marginal_s + head)
 
     # -- what happened --------------------------------------------------------
 
     def observe(
-        self, seq: SeqState, produced: Sequence[int], chain: Sequence[int], copy: Sequence[int]
+        self,
+        seq: SeqState,
+        produced: Sequence[int],
+        chain: Sequence[int],
+        copy: Sequence[int],
+        agreement: int = 0,
     ) -> None:
         """Scores a greedy sequence's chain and copy drafts against the tokens
         its verify ``produced`` after the sure rows (module doc): each draft
         agrees with greedy output exactly when the verify would accept it."""
         budget = self.for_seq(seq)
-        for keys, drafts in ((budget.chain_keys, chain), (_copy_keys(len(copy)), copy)):
+        copy_keys = _copy_keys(len(copy), agreement)
+        for keys, drafts in ((budget.chain_keys, chain), (copy_keys, copy)):
             agreed = [d == t for d, t in zip(drafts, produced, strict=False)]
             _score(budget.rates, keys, len(agreed), len(_prefix(agreed)))
 
-    def observe_counts(self, seq: SeqState, source: str, proposed: int, accepted: int) -> None:
+    def observe_counts(
+        self, seq: SeqState, source: str, proposed: int, accepted: int, agreement: int = 0
+    ) -> None:
         """A sampled sequence's verified drafts: only what was verified is known."""
         budget = self.for_seq(seq)
-        keys = budget.chain_keys if source == "mtp" else _copy_keys(proposed)
+        keys = budget.chain_keys if source == "mtp" else _copy_keys(proposed, agreement)
         _score(budget.rates, keys, proposed, accepted)
 
     def end_step(self, measured_s: float, verify_s: float) -> None:

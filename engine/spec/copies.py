@@ -128,6 +128,7 @@ def propose_copy(
     shared: SharedLookup | None,
     path_cap: int,
     chain: int,
+    longest: bool = False,
 ) -> list[int] | None:
     """A copy for ``seq`` after its forced run, in flight at its final length
     (cut to what the grammar allows and to a bucketed width), never asked for
@@ -137,9 +138,9 @@ def propose_copy(
     if slot_cap < max(chain, 1):
         return None
     if seq.prompt_lookup is None:
-        seq.prompt_lookup = PromptLookupSeq(cfg)
+        seq.prompt_lookup = PromptLookupSeq(cfg, longest)
     lookup = seq.prompt_lookup
-    cap = min(slot_cap, max(lookup.window, chain))
+    cap = slot_cap if longest else min(slot_cap, max(lookup.window, chain))
     # With no own match, the finished requests of this scope may supply one.
     fallback = _scope_fallback(shared, seq.scope)
     history = [*seq.history, *forced] if forced else seq.history
