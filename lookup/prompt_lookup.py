@@ -259,7 +259,8 @@ class PromptLookupSeq:
         with the history's own (the most recent among equals), searched over
         the latest ``LONGEST_CANDIDATES`` occurrences and ``LONGEST_AGREEMENT``
         tokens back, with the position just after it; None when the last
-        token never occurred before or agrees on fewer than ``min_match``."""
+        token never occurred before (``propose_with`` weighs the agreement
+        against ``min_match`` to ask the fallback)."""
         end = len(history)
         after = self._after
         if end < self._indexed_upto:  # a rewind: drop positions past the end
