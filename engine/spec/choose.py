@@ -67,7 +67,13 @@ from dataclasses import dataclass
 
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.budget import Candidates, DraftBudget, tokens_left
-from metrale.engine.spec.copies import CopyTaken, bucket_width, copy_path_cap, propose_copy
+from metrale.engine.spec.copies import (
+    CopyTaken,
+    bucket_width,
+    copy_path_cap,
+    propose_copy,
+    slot_copy_cap,
+)
 from metrale.lookup import PromptLookupConfig, SharedLookup
 
 
@@ -138,8 +144,9 @@ def peek_copy(seq: SeqState, cfg: PromptLookupConfig | None, running: int) -> tu
     lookup = seq.prompt_lookup
     if cfg is None or running > cfg.max_seqs or lookup is None or seq.grammar is not None:
         return 0, 0
-    cap = min(cfg.max_drafts, seq.draft_capacity(), copy_path_cap(cfg, running))
-    length, agreement = lookup.peek(seq.history, cap)
+    length, agreement = lookup.peek(
+        seq.history, slot_copy_cap(seq, cfg, copy_path_cap(cfg, running))
+    )
     return bucket_width(length) if length else 0, agreement
 
 

@@ -122,6 +122,12 @@ def copy_path_cap(cfg: PromptLookupConfig, running: int) -> int:
     return cfg.max_drafts if running == 1 else BATCHED_COPY_MAX
 
 
+def slot_copy_cap(seq: SeqState, cfg: PromptLookupConfig, path_cap: int) -> int:
+    """The longest copy ``seq`` may verify after its forced run: by
+    ``max_drafts``, the slot's draft capacity and the verify's ``path_cap``."""
+    return min(cfg.max_drafts, seq.draft_capacity() - len(seq.forced_drafts), path_cap)
+
+
 def propose_copy(
     seq: SeqState,
     cfg: PromptLookupConfig,
@@ -134,7 +140,7 @@ def propose_copy(
     (cut to what the grammar allows and to a bucketed width), never asked for
     less than ``chain`` tokens; None when there is none or no room for one."""
     forced = seq.forced_drafts
-    slot_cap = min(cfg.max_drafts, seq.draft_capacity() - len(forced), path_cap)
+    slot_cap = slot_copy_cap(seq, cfg, path_cap)
     if slot_cap < max(chain, 1):
         return None
     if seq.prompt_lookup is None:
