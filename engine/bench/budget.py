@@ -4,8 +4,10 @@
 loads the default model (or ``--model``), once per configuration, and, per
 workload (default: the sample workloads), at batch 1 (the first ``--single``
 requests, one at a time) and at ``--batch`` (the first that many together),
-times five configurations, ``--repeats`` rounds, after an untimed warm-up of
-each:
+times five configurations, ``--repeats`` rounds at batch 1 and
+``--batch-repeats`` at ``--batch`` (a batch row takes a fifth of a batch-1
+row's time, and the rounds' drift weighs on its few seconds more), after an
+untimed warm-up of each:
 
 - no drafts; copies only; MTP only; MTP + copies: the fixed policy (the
   ladder and copy windows, ``--draft-policy fixed``);
@@ -180,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--single", type=int, default=8, help="requests decoded at batch 1")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds at batch 1")
+    parser.add_argument("--batch-repeats", type=int, default=5, help="rounds at --batch")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--batch-one", choices=("yes", "no", "only"), default="yes")
     parser.add_argument(
@@ -203,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.batch_one != "yes":
             shapes = shapes[:1] if args.batch_one == "only" else shapes[1:]
         for batch, subset in shapes:
-            rounds = bench_workload(models, path.stem, subset, batch, args.repeats)
+            repeats = args.repeats if batch == 1 else args.batch_repeats
+            rounds = bench_workload(models, path.stem, subset, batch, repeats)
             row = summarise(rounds)
             cells = [f"{row.rates[k]:.1f}" for k in CONFIGS]
             print(
