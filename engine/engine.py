@@ -591,6 +591,9 @@ class Engine:
         parts: list[torch.Tensor] = []
         released = 0  # held rows fed: a forward dearer than a step's own
         ahead = self._ahead(batch) if budget is not None else set()
+        if budget is not None:
+            lines = [s for s in batch if not s.finished and s.slot not in ahead]
+            budget.share_head(lines, running)
         for seq, start, first in zip(batch, starts, first_rows, strict=True):
             if seq.finished:
                 continue
@@ -614,7 +617,6 @@ class Engine:
             self._drafter.feed_and_draft(feeds, torch.cat(parts))
             ran = self._drafter.forwards - forwards
             if self._budget is not None:
-                self._budget.head_fed(len(feeds))
                 costs, took = self._budget.costs, self._clock() - began
                 if ran and released:
                     costs.observe_held(released, len(feeds), ran, took)
