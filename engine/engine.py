@@ -428,14 +428,16 @@ class Engine:
         prompt of up to ``HOLD_MAX`` tokens is held until the chain first
         drafts (``DraftBudget.wants_chain``): where drafts do not pay (a
         batch of 16 on a CPU), the head never reads the prompts of the
-        sequences whose chains never run."""
+        sequences whose chains never run. A line that starts ahead in a
+        drain (``_ahead``) holds it as every such line holds its rows."""
         budget = self._budget
         if budget is not None and seq.prompt_len <= HOLD_MAX:
             own = budget.for_seq(seq)
             # Every line admitted shares the steps to come, those whose
             # prompts are still being read too.
             live = sum(1 for s in self._decoding if not s.finished) + len(self._prefilling)
-            if not complete or not budget.wants_chain(seq, max(live, 1)):
+            ahead = complete and seq.slot in self._ahead([*self._decoding, seq])
+            if not complete or not budget.wants_chain(seq, max(live, 1), ahead):
                 own.hold(start, next_ids, rows)
                 return None
             start, next_ids, rows = own.release(start, next_ids, rows)

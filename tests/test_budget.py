@@ -145,15 +145,18 @@ def test_the_chain_is_worth_its_gain_less_its_rows_time_over_the_best_other_choi
 
 def test_the_head_forward_runs_the_chains_worth_it_together() -> None:
     costs = CostModel(FakeClock())
-    costs.head.observe(1, 0.001)
+    costs.verify.observe(16, 0.160)  # 16 tokens in 160 ms: 100 tokens/s
+    costs.head.observe(1, 0.001)  # a ms of head forward costs 0.1 token
     costs.head.observe(16, 0.004)  # 4 lines: 1.6 ms, interpolated
     budget = DraftBudget(costs)
-    budget.rate_s = 100.0  # tokens/s: a ms of head forward costs 0.1 token
     lines = [a_line(slot=i) for i in range(16)]
 
-    def running(values: list[float]) -> list[int]:
+    def running(values: Sequence[float | None]) -> list[int]:
+        budget.plan([Candidates(seq, 1, [], []) for seq in lines])
+        assert budget.rate_s == pytest.approx(100.0)
         for seq, value in zip(lines, values, strict=True):
             budget.for_seq(seq).chain_value = value
+            budget.for_seq(seq).since_chain = 0  # no look is due
         budget.share_head(lines, 16)
         return [seq.slot for seq in lines if budget.wants_chain(seq, 16)]
 
@@ -164,6 +167,24 @@ def test_the_head_forward_runs_the_chains_worth_it_together() -> None:
     # Four lines at 0.2 pay a forward of 4 (0.16); a line at 0.01 adds less
     # than the 0.02 its feed adds to the forward.
     assert running([0.2] * 4 + [0.01] * 12) == [0, 1, 2, 3]
+    # Chains never valued are priced by their first drafts (the prior's 0.5
+    # less a row of 10 ms, 1 token): none is worth running.
+    assert running([None] * 16) == []
+    # A line the choice did not price (its prompt just completed) joins where
+    # its value pays what its feed adds: 0.02 token beside four chains, ...
+    newcomer = a_line(slot=16)
+    budget.for_seq(newcomer).chain_value = 0.03
+    running([0.2] * 4 + [0.01] * 12)
+    assert budget.wants_chain(newcomer, 16)
+    budget.for_seq(newcomer).chain_value = 0.015
+    assert not budget.wants_chain(newcomer, 16)
+    # ... or a forward of its own (0.1 token) where none was chosen, also
+    # after a choice among no lines at all.
+    budget.share_head([], 16)
+    budget.for_seq(newcomer).chain_value = 0.09
+    assert not budget.wants_chain(newcomer, 16)
+    budget.for_seq(newcomer).chain_value = 0.11
+    assert budget.wants_chain(newcomer, 16)
     # A line ahead in a drain rests whatever its chain is worth.
     budget.for_seq(lines[0]).chain_value = 10.0
     assert not budget.wants_chain(lines[0], 16, ahead=True)
@@ -187,7 +208,7 @@ def test_a_chain_not_valued_yet_is_priced_by_its_first_drafts_confidence() -> No
     other = a_line(slot=1)
     for _ in range(10):
         budget.for_seq(other).rates.observe(("mtp", 0, 5), False)
-    assert budget.predicted_value(other, 4) < 0.5 * (0.5 - 0.25)
+    assert budget.predicted_value(other, 4) < budget.predicted_value(seq, 4)
 
 
 def a_line(max_tokens: int = 64, slot: int = 0) -> SeqState:
@@ -748,17 +769,18 @@ def test_in_a_drain_a_line_that_finishes_first_anyway_drafts_nothing() -> None:
 
 def test_the_drain_stops_once_a_line_has_ended_on_its_own() -> None:
     # A stream of three lines that then ends. The drain holds back the
-    # 16-token line, ahead of the 40-token ones, all the way; unless the
+    # 8-token line, ahead of the 40-token ones all the way (they draft, at
+    # most 4 tokens a verify), unless the
     # first line ends at end of sequence, six tokens in: from then on which
     # line ends last cannot be told from tokens left, and it drafts again.
     probe = FakeModel(num_slots=4)
     eos = reference_greedy(probe, PROMPTS[2], 6)[-1]
-    lines = {"first": (PROMPTS[2], 40), "long": (PROMPTS[0], 40), "short": (PROMPTS[1], 16)}
+    lines = {"first": (PROMPTS[2], 40), "long": (PROMPTS[0], 40), "short": (PROMPTS[1], 8)}
     short_drafts = {}
     for ends in ((), (eos,)):
         expected = {name: reference_greedy(probe, p, n, ends) for name, (p, n) in lines.items()}
         lengths = [len(expected[name]) for name in lines]
-        assert lengths == ([6, 40, 16] if ends else [40, 40, 16])  # only the first ends early
+        assert lengths == ([6, 40, 8] if ends else [40, 40, 8])  # only the first ends early
         engine, model = costed_engine("cpu", mtp_mode="right")
         reqs = [
             Request(name, tuple(p), SamplingParams(max_tokens=n, eos_token_ids=ends))

@@ -28,8 +28,10 @@ sequence are sure; each sequence's MTP chain and its copy (when it has one)
 are candidate prefixes with their expected accepted tokens; the allocation
 maximising expected tokens over the predicted step time (``cost.py``) wins.
 
-The chain: the first MTP draft comes with the head forward that takes the
-verified rows, so it is always drafted; the head runs one more position for a
+The chain: the head forward that takes a verify's rows drafts for the
+lines whose chains are worth it together (``share_head``: it costs little
+more for many lines than for one); the first MTP draft comes with that
+forward, so it is always drafted; the head runs one more position for a
 sequence only when the draft there, with every one before it, is likely
 enough to be worth its verify row at the current rate, and only while the
 copy the line will be offered next, as long or shorter, is not expected to
@@ -44,7 +46,6 @@ draw, and later ones by their depth alone.
 from __future__ import annotations
 
 import itertools
-import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -161,6 +162,10 @@ class SeqBudget:
     # over the steps whose plan could choose it; None before its chain first
     # ran (``DraftBudget.predicted_value`` stands for it).
     chain_value: float | None = None
+    # The ``share_head`` choice this line was last priced in (its count),
+    # and whether its chain was among those chosen there.
+    shared_at: int = -1
+    shared: bool = False
     since_chain: int = 0  # steps since the chain last drafted
     explore_every: int = EXPLORE_EVERY  # steps between looks while it rests
     held: list[tuple[int, list[int], torch.Tensor]] = field(default_factory=list)
@@ -260,11 +265,11 @@ class DraftBudget:
         self.rates = Rates(RUN_DECAY, RUN_STRENGTH)
         self.rate_s = 0.0  # tokens/s the last plan predicted
         self.marginal_s = 0.0  # one more verify row per sequence, per row
-        # The least value a chain drafts at (``share_head``); None: priced
-        # as a head forward of its own.
-        self._floor: float | None = None
+        # ``share_head``'s choices so far, and how many chains the last chose.
+        self._shares = 0
+        self._sharing = 0
         # ``_first_draft_terms``' last answer, by what it reads.
-        self._terms: tuple[object, tuple[float, list[tuple[int, float]]]] | None = None
+        self._terms: tuple[object, tuple[float, float, list[tuple[int, float]]]] | None = None
         self._chosen: dict[str, Counter[int]] = {"mtp": Counter(), "copy": Counter()}
         self._none = 0
         self._predicted_s = self._measured_s = 0.0
@@ -304,27 +309,34 @@ class DraftBudget:
         of 13 of the 16 lines never ran, where the head's first drafts were
         right three times in four and the fixed ladder ran 8% faster than no
         drafts."""
-        row, shares = self._first_draft_terms(live)
+        _, row, shares = self._first_draft_terms(live)
         rates = self.for_seq(seq).rates
         if not shares:
             return rates.rate(("mtp", 0)) - row
         return sum(share * max(rates.rate(("mtp", 0, b)) - row, 0.0) for b, share in shares)
 
-    def _first_draft_terms(self, live: int) -> tuple[float, list[tuple[int, float]]]:
-        """``predicted_value``'s run-wide terms: a first draft's verify row in
-        tokens, and the share of the run's scored first drafts per
-        confidence bin (``[]`` before any)."""
-        key = (self._planned, live, self.costs.version, self.rates.observed)
+    def _first_draft_terms(self, live: int) -> tuple[float, float, list[tuple[int, float]]]:
+        """``predicted_value``'s run-wide terms: the rate that prices a chain
+        (tokens/s: the last plan's, or before the first plan a step of
+        ``live`` rows'), a first draft's verify row in tokens at that rate,
+        and the share of the run's scored first drafts per confidence bin
+        (``[]`` before any)."""
+        planned = self._planned > 0
+        key = (
+            (self.rate_s, self.marginal_s, self.rates.observed)
+            if planned
+            else (live, self.costs.version, self.rates.observed)
+        )
         if self._terms is None or self._terms[0] != key:
             rate, marginal = self.rate_s, self.marginal_s
-            if not self._planned:  # before the first plan: a step of ``live`` rows
+            if not planned:
                 step_s = self.costs.step_s(live)
                 rate = live / step_s if step_s > 0 else 0.0
                 marginal = self._marginal(live, live)
             bins = [self.rates.counts(("mtp", 0, b))[1] for b in range(len(CONFIDENCE_EDGES) + 1)]
             total = sum(bins)
             shares = [(b, seen / total) for b, seen in enumerate(bins) if seen > 0] if total else []
-            self._terms = key, (rate * marginal, shares)
+            self._terms = key, (rate, rate * marginal, shares)
         return self._terms[1]
 
     def chain_may_pay(self, live: int) -> bool:
@@ -343,8 +355,8 @@ class DraftBudget:
         right but rare is worth that bin's share of steps. Before any first
         draft was scored, a draft sure to be accepted. The bound takes no
         account of the copies or drafts the plan would otherwise verify (a
-        chain only ever replaces them), nor of how few sequences a head
-        forward lately fed."""
+        chain only ever replaces them), nor of how few chains the head
+        forward drafts for (``share_head``)."""
         key = (live, self.costs.version, self.rates.observed)
         if self._margin is None or self._margin[0] != key:
             self._margin = key, self._chain_margin(live)
@@ -450,10 +462,14 @@ class DraftBudget:
         it together: the ``k`` lines of highest value (``chain_value``, or
         ``predicted_value`` for a chain not valued yet) whose values sum
         furthest above the time of a head forward feeding ``k``, in tokens at
-        the current rate; ``wants_chain`` starts a chain at the least of
-        them or more. ``lines``: those that may draft (not ahead in a
-        drain); a line whose held rows its chain could not repay
-        (``look_may_pay``) is left out.
+        the current rate; ``wants_chain`` starts those chains. ``lines``:
+        those that may draft (not ahead in a drain); a line whose held rows
+        its chain could not repay (``look_may_pay``) is left out. A line
+        this choice did not price (its prompt completes before its first
+        verify) joins where its value pays what its feed adds to the
+        forward (``_joins``). The forward is priced as if only the chosen
+        chains fed it: looks and scouts that will share it are not known
+        yet, so a chain may be left out whose feed would have cost less.
 
         A head forward costs little more for 16 lines than for one (about
         2.9 against 1.1 ms for the default model on this CPU), so whether a
@@ -461,27 +477,42 @@ class DraftBudget:
         one line at a time, as shared by as many as it had lately fed, the
         chains of a 16-line batch that rested stayed resting: a line whose
         chain added 0.15 token a step was charged the whole forward, 0.7."""
-        values = []
+        self._shares += 1
+        rate = self._first_draft_terms(live)[0]
+        valued: list[tuple[float, SeqBudget]] = []
         for seq in lines:
             budget = self.for_seq(seq)
+            budget.shared_at, budget.shared = self._shares, False
             if budget.held_rows() and not self.look_may_pay(seq, live):
                 continue
             value = budget.chain_value
-            values.append(value if value is not None else self.predicted_value(seq, live))
-        values.sort(reverse=True)
-        best, total, floor = 0.0, 0.0, math.inf
-        for k, value in enumerate(values, 1):
+            if value is None:
+                value = self.predicted_value(seq, live)
+            valued.append((value, budget))
+        valued.sort(key=lambda item: item[0], reverse=True)
+        best, total, chosen = 0.0, 0.0, 0
+        for k, (value, _) in enumerate(valued, 1):
             total += value
-            gain = total - self.rate_s * self.costs.head.predict(k)
+            gain = total - rate * self.costs.head.predict(k)
             if gain > best:
-                best, floor = gain, value
-        self._floor = floor
+                best, chosen = gain, k
+        for _, budget in valued[:chosen]:
+            budget.shared = True
+        self._sharing = chosen
+
+    def _joins(self, value: float, live: int) -> bool:
+        """Whether a chain of ``value`` that ``share_head`` did not price
+        pays what its feed adds to the head forward the chosen chains run
+        (a forward of its own when none was chosen)."""
+        rate, head, k = self._first_draft_terms(live)[0], self.costs.head, self._sharing
+        added = head.predict(k + 1) - head.predict(k) if k else head.predict(1)
+        return value >= rate * added
 
     def wants_chain(self, seq: SeqState, live: int, ahead: bool = False) -> bool:
         """Whether the head drafts for ``seq`` after this verify: while the
-        chain is among those worth the head forward together
-        (``share_head``; before its first choice, while it is worth a head
-        forward of its own), on a look, or when ``HOLD_MAX`` rows wait.
+        chain is among those worth the head forward together (``share_head``,
+        or ``_joins`` for a line it did not price), on a look, or when
+        ``HOLD_MAX`` rows wait.
         (Further positions of the chain pay their own forwards, ``deeper``.)
 
         Looks: a resting chain looks on the first step, half its spacing or
@@ -489,11 +520,12 @@ class DraftBudget:
         (``EXPLORE_EVERY``, doubled after each look that found the chain not
         worth it). Spacings are powers of two, so the looks of a batch fall
         in one head forward rather than one each. A chain never valued (it
-        has not run: ``predicted_value`` stands for it) looks as a scout: one
-        such sequence a look, on the run's own doubling spacing, so that a
-        first batch where drafts do not pay learns the chain's acceptance
-        without feeding the head every prompt. A look whose held rows cost the head more than
-        a forward of its own takes a scout's turn too, one a step: sharing a
+        has not run: ``predicted_value`` stands for it) looks as a scout:
+        one such sequence a look, on the run's own doubling spacing, so that
+        a first batch where drafts do not pay learns the chain's acceptance
+        without feeding the head every prompt. A look whose held rows cost
+        the head more than a forward of its own takes a scout's turn too,
+        one a step: sharing a
         forward saves such looks little, and one look tells the run what 16
         would. Once a scout had valued chains not worth their share on a
         16-line batch of code edits, all 16 lines looked on step 8 with
@@ -516,13 +548,15 @@ class DraftBudget:
             return False
         budget.since_chain += 1
         live = max(live, 1)
-        floor = self._floor
-        if floor is None:
-            floor = self.rate_s * self.costs.head.predict(1)
         value, valued = budget.chain_value, budget.chain_value is not None
-        if value is None:
-            value = self.predicted_value(seq, live)
-        if value >= floor and (not budget.held_rows() or self.look_may_pay(seq, live)):
+        if budget.shared_at == self._shares:
+            worth = budget.shared  # held rows it could not repay: left out there
+        else:
+            if value is None:
+                value = self.predicted_value(seq, live)
+            worth = self._joins(value, live)
+            worth = worth and (not budget.held_rows() or self.look_may_pay(seq, live))
+        if worth:
             budget.since_chain, budget.explore_every = 0, EXPLORE_EVERY
             return True
         if budget.held_rows() >= HOLD_MAX:
