@@ -428,16 +428,14 @@ class Engine:
         prompt of up to ``HOLD_MAX`` tokens is held until the chain first
         drafts (``DraftBudget.wants_chain``): where drafts do not pay (a
         batch of 16 on a CPU), the head never reads the prompts of the
-        sequences whose chains never run. A line that starts ahead in a
-        drain (``_ahead``) holds it as every such line holds its rows."""
+        sequences whose chains never run."""
         budget = self._budget
         if budget is not None and seq.prompt_len <= HOLD_MAX:
             own = budget.for_seq(seq)
             # Every line admitted shares the steps to come, those whose
             # prompts are still being read too.
             live = sum(1 for s in self._decoding if not s.finished) + len(self._prefilling)
-            ahead = complete and seq.slot in self._ahead([*self._decoding, seq])
-            if not complete or not budget.wants_chain(seq, max(live, 1), ahead):
+            if not complete or not budget.wants_chain(seq, max(live, 1)):
                 own.hold(start, next_ids, rows)
                 return None
             start, next_ids, rows = own.release(start, next_ids, rows)
@@ -593,9 +591,6 @@ class Engine:
         parts: list[torch.Tensor] = []
         released = 0  # held rows fed: a forward dearer than a step's own
         ahead = self._ahead(batch) if budget is not None else set()
-        if budget is not None:
-            lines = [s for s in batch if not s.finished and s.slot not in ahead]
-            budget.share_head(lines, running)
         for seq, start, first in zip(batch, starts, first_rows, strict=True):
             if seq.finished:
                 continue
@@ -619,6 +614,7 @@ class Engine:
             self._drafter.feed_and_draft(feeds, torch.cat(parts))
             ran = self._drafter.forwards - forwards
             if self._budget is not None:
+                self._budget.head_fed(len(feeds))
                 costs, took = self._budget.costs, self._clock() - began
                 if ran and released:
                     costs.observe_held(released, len(feeds), ran, took)

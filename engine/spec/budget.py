@@ -28,10 +28,8 @@ sequence are sure; each sequence's MTP chain and its copy (when it has one)
 are candidate prefixes with their expected accepted tokens; the allocation
 maximising expected tokens over the predicted step time (``cost.py``) wins.
 
-The chain: the head forward that takes a verify's rows drafts for the
-lines whose chains are worth it together (``share_head``: it costs little
-more for many lines than for one); the first MTP draft comes with that
-forward, so it is always drafted; the head runs one more position for a
+The chain: the first MTP draft comes with the head forward that takes the
+verified rows, so it is always drafted; the head runs one more position for a
 sequence only when the draft there, with every one before it, is likely
 enough to be worth its verify row at the current rate, and only while the
 copy the line will be offered next, as long or shorter, is not expected to
@@ -81,16 +79,19 @@ SEQ_DECAY = 0.9
 # the draft's own confidence, which the average at its depth hides, so the
 # chain errs on the side of offering one draft too many.
 ROW_SHARE = 0.5
-# A chain not among those worth a head forward together (``share_head``,
-# ``wants_chain``) rests, holding its rows (its prompt's too, when it rests
-# from the start); the head is fed them all in one forward when it drafts
-# again: on a look, about every ``EXPLORE_EVERY`` steps (to learn whether the
-# chain pays again; twice as far apart after each look that finds it does
-# not, up to ``EXPLORE_MAX``), or once ``HOLD_MAX`` rows wait.
+# A chain worth less than its share of the head's time (``wants_chain``)
+# rests, holding its rows (its prompt's too, when it rests from the start);
+# the head is fed them all in one forward when it drafts again: on a look,
+# about every ``EXPLORE_EVERY`` steps (to learn whether the chain pays again;
+# twice as far apart after each look that finds it does not, up to
+# ``EXPLORE_MAX``), or once ``HOLD_MAX`` rows wait.
 VALUE_ALPHA = 0.2
+RUN_VALUE_ALPHA = 0.02
 EXPLORE_EVERY = 8
 EXPLORE_MAX = 64
 HOLD_MAX = 512
+# How fast the count of sequences a head forward feeds follows the latest.
+SHARERS_ALPHA = 0.2
 
 
 def tokens_left(seq: SeqState) -> int:
@@ -159,13 +160,9 @@ class SeqBudget:
     # length (``DraftBudget.rival_copy``); [] when none.
     copy_rival: list[float] = field(default_factory=list)
     # Expected tokens a step the chain added over the other source: decayed
-    # over the steps whose plan could choose it; None before its chain first
-    # ran (``DraftBudget.predicted_value`` stands for it).
+    # over the steps whose plan could choose it; at first, the run's figure,
+    # or None before the run has one (``DraftBudget.base_value``).
     chain_value: float | None = None
-    # The ``share_head`` choice this line was last priced in (its count),
-    # and whether its chain was among those chosen there.
-    shared_at: int = -1
-    shared: bool = False
     since_chain: int = 0  # steps since the chain last drafted
     explore_every: int = EXPLORE_EVERY  # steps between looks while it rests
     held: list[tuple[int, list[int], torch.Tensor]] = field(default_factory=list)
@@ -265,11 +262,10 @@ class DraftBudget:
         self.rates = Rates(RUN_DECAY, RUN_STRENGTH)
         self.rate_s = 0.0  # tokens/s the last plan predicted
         self.marginal_s = 0.0  # one more verify row per sequence, per row
-        # ``share_head``'s choices so far, and how many chains the last chose.
-        self._shares = 0
-        self._sharing = 0
-        # ``_first_draft_terms``' last answer, by what it reads.
-        self._terms: tuple[object, tuple[float, float, list[tuple[int, float]]]] | None = None
+        # What the chain has added per sequence-step, run-wide; None until a
+        # plan could choose it (``base_value``).
+        self.chain_value: float | None = None
+        self.sharers = 1.0  # sequences a head forward after a verify feeds, decayed
         self._chosen: dict[str, Counter[int]] = {"mtp": Counter(), "copy": Counter()}
         self._none = 0
         self._predicted_s = self._measured_s = 0.0
@@ -283,61 +279,32 @@ class DraftBudget:
         self._margin: tuple[object, tuple[float, float]] | None = None
 
     def for_seq(self, seq: SeqState) -> SeqBudget:
-        """A sequence's budget; its chain unvalued until it first runs
-        (``predicted_value`` stands for it)."""
+        """A sequence's budget; a new one starts from what the chain has been
+        worth to the run so far, or, before any chain was valued, unvalued
+        (``base_value`` stands for it)."""
         if seq.budget is None:
-            seq.budget = SeqBudget(Rates(SEQ_DECAY, SEQ_STRENGTH, self.rates))
+            seq.budget = SeqBudget(
+                Rates(SEQ_DECAY, SEQ_STRENGTH, self.rates), chain_value=self.chain_value
+            )
         return seq.budget
 
-    def predicted_value(self, seq: SeqState, live: int = 1) -> float:
-        """What ``seq``'s chain is expected to add a step before it was valued
-        (``SeqBudget.chain_value``), in tokens: its first draft's worth less
-        the time of its verify row at the current rate (the plan's own
-        pricing; before the first plan, at the rate of a step of ``live``
-        rows), read per confidence bin at the line's own acceptance there
-        (its estimate over the run's) and weighed by how often the run's
-        first drafts fell in that bin. The plan verifies a draft only where
-        it is worth its row, so a bin worth less adds nothing. Before any
-        first draft was scored: the line's first-draft estimate less its row.
-
-        The run's figure of what chains had added (as its start, before)
-        went stale where chains rested: on a 16-line batch of JSON
-        rewrites, the first steps' chains (the head's acceptance still at
-        its prior) left it at -0.1 token; every line admitted after them took
-        it as its own, and each look moved a line's figure a fifth of the way
-        towards what its chain added, looks 8 to 64 steps apart. The chains
-        of 13 of the 16 lines never ran, where the head's first drafts were
-        right three times in four and the fixed ladder ran 8% faster than no
-        drafts."""
-        _, row, shares = self._first_draft_terms(live)
-        rates = self.for_seq(seq).rates
-        if not shares:
-            return rates.rate(("mtp", 0)) - row
-        return sum(share * max(rates.rate(("mtp", 0, b)) - row, 0.0) for b, share in shares)
-
-    def _first_draft_terms(self, live: int) -> tuple[float, float, list[tuple[int, float]]]:
-        """``predicted_value``'s run-wide terms: the rate that prices a chain
-        (tokens/s: the last plan's, or before the first plan a step of
-        ``live`` rows'), a first draft's verify row in tokens at that rate,
-        and the share of the run's scored first drafts per confidence bin
-        (``[]`` before any)."""
-        planned = self._planned > 0
-        key = (
-            (self.rate_s, self.marginal_s, self.rates.observed)
-            if planned
-            else (live, self.costs.version, self.rates.observed)
-        )
-        if self._terms is None or self._terms[0] != key:
-            rate, marginal = self.rate_s, self.marginal_s
-            if not planned:
-                step_s = self.costs.step_s(live)
-                rate = live / step_s if step_s > 0 else 0.0
-                marginal = self._marginal(live, live)
-            bins = [self.rates.counts(("mtp", 0, b))[1] for b in range(len(CONFIDENCE_EDGES) + 1)]
-            total = sum(bins)
-            shares = [(b, seen / total) for b, seen in enumerate(bins) if seen > 0] if total else []
-            self._terms = key, (rate, rate * marginal, shares)
-        return self._terms[1]
+    def base_value(self, live: int = 1) -> float:
+        """What a chain not valued yet is believed to add a step: what chains
+        have added to the run, or before any was valued, its first draft at
+        the run's acceptance less the time of that draft's verify row at the
+        current rate (the plan's own pricing of it; before the first plan, at
+        the rate of a step of ``live`` rows). A fixed optimistic start
+        (a token a step, as before) ran every chain of a 16-sequence batch,
+        prompt feed included, for ten steps before its worth decayed below
+        the head's share, where a first draft is worth less than its row."""
+        if self.chain_value is not None:
+            return self.chain_value
+        rate, marginal = self.rate_s, self.marginal_s
+        if not self._planned:  # before the first plan: a step of ``live`` rows
+            step_s = self.costs.step_s(live)
+            rate = live / step_s if step_s > 0 else 0.0
+            marginal = self._marginal(live, live)
+        return self.rates.rate(("mtp", 0)) - rate * marginal
 
     def chain_may_pay(self, live: int) -> bool:
         """Whether any chain could pay at these costs (``chain_margin`` > 0)."""
@@ -355,8 +322,8 @@ class DraftBudget:
         right but rare is worth that bin's share of steps. Before any first
         draft was scored, a draft sure to be accepted. The bound takes no
         account of the copies or drafts the plan would otherwise verify (a
-        chain only ever replaces them), nor of how few chains the head
-        forward drafts for (``share_head``)."""
+        chain only ever replaces them), nor of how few sequences a head
+        forward lately fed."""
         key = (live, self.costs.version, self.rates.observed)
         if self._margin is None or self._margin[0] != key:
             self._margin = key, self._chain_margin(live)
@@ -419,7 +386,7 @@ class DraftBudget:
         self.marginal_s = self._marginal(plan.rows, len(candidates))
         for c, opts, names, choice in zip(candidates, options, sources, plan.choices, strict=True):
             if names and names[0] == "mtp":
-                self._value_chain(c.seq, self._chain_worth(opts, choice, plan), len(candidates))
+                self._value_chain(c.seq, self._chain_worth(opts, choice, plan))
         picked: list[tuple[str, int]] = []
         for names, (o, n) in zip(sources, plan.choices, strict=True):
             if n == 0:
@@ -448,84 +415,39 @@ class DraftBudget:
                 other = max(other, gain - rate * (step_s(without + m) - base))
         return max(worth - other, 0.0)
 
-    def _value_chain(self, seq: SeqState, value: float, live: int) -> None:
-        """Follows what the chain adds a step (``_chain_worth``), from what it
-        was expected to (``predicted_value``) before it first ran."""
+    def _value_chain(self, seq: SeqState, value: float) -> None:
+        """Follows what the chain adds a step (``_chain_worth``), per
+        sequence and run-wide."""
         budget = self.for_seq(seq)
-        own = budget.chain_value
-        if own is None:
-            own = self.predicted_value(seq, live)
+        run = self.base_value()
+        own = budget.chain_value if budget.chain_value is not None else run
         budget.chain_value = own + VALUE_ALPHA * (value - own)
-
-    def share_head(self, lines: Sequence[SeqState], live: int) -> None:
-        """Chooses, for the head forward after this verify, the chains worth
-        it together: the ``k`` lines of highest value (``chain_value``, or
-        ``predicted_value`` for a chain not valued yet) whose values sum
-        furthest above the time of a head forward feeding ``k``, in tokens at
-        the current rate; ``wants_chain`` starts those chains. ``lines``:
-        those that may draft (not ahead in a drain); a line whose held rows
-        its chain could not repay (``look_may_pay``) is left out. A line
-        this choice did not price (its prompt completes before its first
-        verify) joins where its value pays what its feed adds to the
-        forward (``_joins``). The forward is priced as if only the chosen
-        chains fed it: looks and scouts that will share it are not known
-        yet, so a chain may be left out whose feed would have cost less.
-
-        A head forward costs little more for 16 lines than for one (about
-        2.9 against 1.1 ms for the default model on this CPU), so whether a
-        chain pays its share depends on how many others run theirs. Priced
-        one line at a time, as shared by as many as it had lately fed, the
-        chains of a 16-line batch that rested stayed resting: a line whose
-        chain added 0.15 token a step was charged the whole forward, 0.7."""
-        self._shares += 1
-        rate = self._first_draft_terms(live)[0]
-        valued: list[tuple[float, SeqBudget]] = []
-        for seq in lines:
-            budget = self.for_seq(seq)
-            budget.shared_at, budget.shared = self._shares, False
-            if budget.held_rows() and not self.look_may_pay(seq, live):
-                continue
-            value = budget.chain_value
-            if value is None:
-                value = self.predicted_value(seq, live)
-            valued.append((value, budget))
-        valued.sort(key=lambda item: item[0], reverse=True)
-        best, total, chosen = 0.0, 0.0, 0
-        for k, (value, _) in enumerate(valued, 1):
-            total += value
-            gain = total - rate * self.costs.head.predict(k)
-            if gain > best:
-                best, chosen = gain, k
-        for _, budget in valued[:chosen]:
-            budget.shared = True
-        self._sharing = chosen
-
-    def _joins(self, value: float, live: int) -> bool:
-        """Whether a chain of ``value`` that ``share_head`` did not price
-        pays what its feed adds to the head forward the chosen chains run
-        (a forward of its own when none was chosen)."""
-        rate, head, k = self._first_draft_terms(live)[0], self.costs.head, self._sharing
-        added = head.predict(k + 1) - head.predict(k) if k else head.predict(1)
-        return value >= rate * added
+        self.chain_value = run + RUN_VALUE_ALPHA * (value - run)
 
     def wants_chain(self, seq: SeqState, live: int, ahead: bool = False) -> bool:
         """Whether the head drafts for ``seq`` after this verify: while the
-        chain is among those worth the head forward together (``share_head``,
-        or ``_joins`` for a line it did not price), on a look, or when
-        ``HOLD_MAX`` rows wait.
-        (Further positions of the chain pay their own forwards, ``deeper``.)
+        chain is worth its share of the head forward (in tokens at the
+        current rate), on a look, or when ``HOLD_MAX`` rows wait.
+
+        The forward is shared by as many sequences as it has lately fed
+        (``head_fed``), not by every one running: priced as shared by all 16
+        of a batch, a forward that fed 1 to 7 of them cost each three to four
+        times what the plan charged. (Further positions of the chain pay
+        their own forwards, ``deeper``.)
 
         Looks: a resting chain looks on the first step, half its spacing or
         more after it stopped, whose plan count is a multiple of that spacing
         (``EXPLORE_EVERY``, doubled after each look that found the chain not
         worth it). Spacings are powers of two, so the looks of a batch fall
-        in one head forward rather than one each. A chain never valued (it
-        has not run: ``predicted_value`` stands for it) looks as a scout:
-        one such sequence a look, on the run's own doubling spacing, so that
-        a first batch where drafts do not pay learns the chain's acceptance
-        without feeding the head every prompt. A look whose held rows cost
-        the head more than a forward of its own takes a scout's turn too,
-        one a step: sharing a
+        in one head forward rather than one each. A chain that started
+        before the run valued any (``base_value`` stands for it) looks as a
+        scout: one such sequence a look, on the run's own doubling spacing,
+        so that a first batch where drafts do not pay learns the chain's
+        acceptance without feeding the head every prompt; a chain that
+        started later takes the run's figure as its own, and looks as every
+        valued chain does (a sequence after sequence at batch 1 never waits
+        for a scout's turn). A look whose held rows cost the head more than
+        a forward of its own takes a scout's turn too, one a step: sharing a
         forward saves such looks little, and one look tells the run what 16
         would. Once a scout had valued chains not worth their share on a
         16-line batch of code edits, all 16 lines looked on step 8 with
@@ -548,15 +470,12 @@ class DraftBudget:
             return False
         budget.since_chain += 1
         live = max(live, 1)
+        sharing = min(max(round(self.sharers), 1), live)
+        cost = self.rate_s * self.costs.head.predict(sharing) / sharing
         value, valued = budget.chain_value, budget.chain_value is not None
-        if budget.shared_at == self._shares:
-            worth = budget.shared  # held rows it could not repay: left out there
-        else:
-            if value is None:
-                value = self.predicted_value(seq, live)
-            worth = self._joins(value, live)
-            worth = worth and (not budget.held_rows() or self.look_may_pay(seq, live))
-        if worth:
+        if value is None:
+            value = self.base_value(live)
+        if value >= cost and (not budget.held_rows() or self.look_may_pay(seq, live)):
             budget.since_chain, budget.explore_every = 0, EXPLORE_EVERY
             return True
         if budget.held_rows() >= HOLD_MAX:
@@ -599,6 +518,10 @@ class DraftBudget:
         take the copy and the head forward would be spent for nothing."""
         budget = self.for_seq(seq)
         budget.copy_rival = budget.copy_gains(length, agreement) if length else []
+
+    def head_fed(self, feeds: int) -> None:
+        """A head forward after a verify fed ``feeds`` sequences."""
+        self.sharers += SHARERS_ALPHA * (feeds - self.sharers)
 
     def _marginal(self, rows: int, seqs: int) -> float:
         step = max(seqs, 1)
