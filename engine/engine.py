@@ -253,6 +253,7 @@ class Engine:
     def _step(self) -> list[Result]:
         spent = self._spent
         spent.began, spent.prefill_s, spent.verify_s = self._clock(), 0.0, 0.0
+        spent.head_s = 0.0
         # 1. Admit waiting requests into free slots; prefill one chunk.
         self._admit()
         done = self._prefill_chunk()
@@ -282,7 +283,7 @@ class Engine:
         results = self._finish(done + [s for s in self._decoding if s.finished])
         if self._budget is not None and spent.verify_s > 0:
             measured = self._clock() - spent.began - spent.prefill_s
-            self._budget.end_step(measured, spent.verify_s)
+            self._budget.end_step(measured, spent.verify_s, spent.head_s)
         self._publish()
         return results
 
@@ -428,14 +429,16 @@ class Engine:
         prompt of up to ``HOLD_MAX`` tokens is held until the chain first
         drafts (``DraftBudget.wants_chain``): where drafts do not pay (a
         batch of 16 on a CPU), the head never reads the prompts of the
-        sequences whose chains never run."""
+        sequences whose chains never run. A line that starts ahead in a
+        drain (``_ahead``) holds it as every such line holds its rows."""
         budget = self._budget
         if budget is not None and seq.prompt_len <= HOLD_MAX:
             own = budget.for_seq(seq)
             # Every line admitted shares the steps to come, those whose
             # prompts are still being read too.
             live = sum(1 for s in self._decoding if not s.finished) + len(self._prefilling)
-            if not complete or not budget.wants_chain(seq, max(live, 1)):
+            ahead = complete and seq.slot in self._ahead([*self._decoding, seq])
+            if not complete or not budget.wants_chain(seq, max(live, 1), ahead):
                 own.hold(start, next_ids, rows)
                 return None
             start, next_ids, rows = own.release(start, next_ids, rows)
@@ -591,6 +594,9 @@ class Engine:
         parts: list[torch.Tensor] = []
         released = 0  # held rows fed: a forward dearer than a step's own
         ahead = self._ahead(batch) if budget is not None else set()
+        if budget is not None:
+            lines = [s for s in batch if not s.finished and s.slot not in ahead]
+            budget.share_head(lines, running)
         for seq, start, first in zip(batch, starts, first_rows, strict=True):
             if seq.finished:
                 continue
@@ -614,8 +620,9 @@ class Engine:
             self._drafter.feed_and_draft(feeds, torch.cat(parts))
             ran = self._drafter.forwards - forwards
             if self._budget is not None:
-                self._budget.head_fed(len(feeds))
                 costs, took = self._budget.costs, self._clock() - began
+                self._spent.head_s += took
+                self._budget.head_ran(ran)
                 if ran and released:
                     costs.observe_held(released, len(feeds), ran, took)
                 elif ran:
@@ -781,6 +788,7 @@ class _StepTimes:
     began: float = 0.0
     prefill_s: float = 0.0
     verify_s: float = 0.0
+    head_s: float = 0.0  # the drafter call after the verify (the head's forwards)
     produced: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 

@@ -143,27 +143,101 @@ def test_the_chain_is_worth_its_gain_less_its_rows_time_over_the_best_other_choi
     assert budget._chain_worth([chain, copy], (1, 1), took_copy) == 0.0
 
 
-def test_a_head_forward_is_priced_as_shared_by_the_sequences_it_has_been_feeding() -> None:
+def test_the_head_forward_runs_the_chains_worth_it_together() -> None:
     costs = CostModel(FakeClock())
-    costs.head.observe(1, 0.001)
-    costs.head.observe(16, 0.004)
+    costs.verify.observe(16, 0.160)  # 16 tokens in 160 ms: 100 tokens/s
+    costs.head.observe(1, 0.001)  # a ms of head forward costs 0.1 token
+    costs.head.observe(16, 0.004)  # 4 lines: 1.6 ms, interpolated
     budget = DraftBudget(costs)
-    budget.rate_s = 100.0  # tokens/s: a ms of head forward costs 0.1 token
-    request = Request("a", (1, 2, 3), SamplingParams(max_tokens=8))
-    seq = SeqState(request, 0, 64, frozenset(), None, None)
-    budget.for_seq(seq).chain_value = 0.05
-    for _ in range(20):
-        budget.head_fed(16)
-    # Shared by 16: 4 ms / 16 = 0.025 token each, less than the chain's 0.05.
-    assert budget.wants_chain(seq, 16)
-    for _ in range(20):
-        budget.head_fed(1)
-    # Fed alone lately: the whole 1 ms (0.1 token) is its own; the chain rests.
-    assert not budget.wants_chain(seq, 16)
-    assert budget.for_seq(seq).since_chain == 1
+    lines = [a_line(slot=i) for i in range(16)]
+
+    def running(values: Sequence[float | None]) -> list[int]:
+        budget.plan([Candidates(seq, 1, [], []) for seq in lines])
+        assert budget.rate_s == pytest.approx(100.0)
+        for seq, value in zip(lines, values, strict=True):
+            budget.for_seq(seq).chain_value = value
+            budget.for_seq(seq).since_chain = 0  # no look is due
+        budget.share_head(lines, 16)
+        return [seq.slot for seq in lines if budget.wants_chain(seq, 16)]
+
+    # 0.05 token a step each: alone, none pays its 0.1; all 16 together (0.8)
+    # pay their 0.4.
+    assert running([0.05] * 16) == list(range(16))
+    assert running([0.05] + [0.0] * 15) == []
+    # Four lines at 0.2 pay a forward of 4 (0.16); a line at 0.01 adds less
+    # than the 0.02 its feed adds to the forward.
+    assert running([0.2] * 4 + [0.01] * 12) == [0, 1, 2, 3]
+    # Chains never valued are priced by their first drafts (the prior's 0.5
+    # less a row of 10 ms, 1 token): none is worth running.
+    assert running([None] * 16) == []
+    # A line the choice did not price (its prompt just completed) joins where
+    # its value pays what its feed adds: 0.02 token beside four chains, ...
+    newcomer = a_line(slot=16)
+    budget.for_seq(newcomer).chain_value = 0.03
+    running([0.2] * 4 + [0.01] * 12)
+    assert budget.wants_chain(newcomer, 16)
+    budget.for_seq(newcomer).chain_value = 0.015
+    assert not budget.wants_chain(newcomer, 16)
+    # ... or a forward of its own (0.1 token) where none was chosen, also
+    # after a choice among no lines at all.
+    budget.share_head([], 16)
+    budget.for_seq(newcomer).chain_value = 0.09
+    assert not budget.wants_chain(newcomer, 16)
+    budget.for_seq(newcomer).chain_value = 0.11
+    assert budget.wants_chain(newcomer, 16)
+    # Where a step whose chains ran has lately taken three head forwards
+    # (chains two drafts deeper), the 16 chains at 0.05 no longer pay 1.2.
+    for _ in range(40):
+        budget.head_ran(3)
+    assert budget.forwards == pytest.approx(3.0, abs=0.01)
+    assert running([0.05] * 16) == []
+    assert running([0.2] * 16) == list(range(16))
     # A line ahead in a drain rests whatever its chain is worth.
-    budget.for_seq(seq).chain_value = 10.0
-    assert not budget.wants_chain(seq, 16, ahead=True)
+    budget.for_seq(lines[0]).chain_value = 10.0
+    assert not budget.wants_chain(lines[0], 16, ahead=True)
+
+
+def test_a_lines_own_mtp_estimate_holds_to_the_runs_more_firmly_than_its_copies() -> None:
+    # The run has seen first drafts in one bin right half the time; one line's
+    # last three there were right. Its copy estimate follows its own text
+    # (strength 3); its MTP estimate moves less than half as far (strength 12).
+    budget = DraftBudget(CostModel(FakeClock()))
+    for i in range(400):
+        budget.rates.observe(("mtp", 0, 2), i % 2 == 0)
+        budget.rates.observe(("copy", 1), i % 2 == 0)
+    own = budget.for_seq(a_line()).rates
+    for _ in range(3):
+        own.observe(("mtp", 0, 2), True)
+        own.observe(("copy", 1), True)
+    run_mtp, run_copy = budget.rates.rate(("mtp", 0, 2)), budget.rates.rate(("copy", 1))
+    assert own.rate(("copy", 1)) == pytest.approx(
+        (own.counts(("copy", 1))[0] + 3 * run_copy) / (own.counts(("copy", 1))[1] + 3)
+    )
+    assert own.rate(("mtp", 0, 2)) == pytest.approx(
+        (own.counts(("mtp", 0, 2))[0] + 12 * run_mtp) / (own.counts(("mtp", 0, 2))[1] + 12)
+    )
+    assert 0 < own.rate(("mtp", 0, 2)) - run_mtp < 0.5 * (own.rate(("copy", 1)) - run_copy)
+
+
+def test_a_chain_not_valued_yet_is_priced_by_its_first_drafts_confidence() -> None:
+    # At 4 sequences a first draft's row costs 0.25 token (four_sequence_costs).
+    _, budget = four_sequence_costs()
+    seq = a_line()
+    budget.plan([Candidates(seq, 1, [], [])] * 4)
+    assert budget.predicted_value(seq, 4) == pytest.approx(0.5 - 0.25)  # the prior
+    # Half the run's first drafts fall in a bin right 9 times in 10, half in
+    # one never right: the plan verifies only the first, worth 0.9 - 0.25.
+    for i in range(200):
+        budget.rates.observe(("mtp", 0, 5), i % 10 != 0)
+        budget.rates.observe(("mtp", 0, 0), False)
+    expected = 0.5 * (budget.for_seq(seq).rates.rate(("mtp", 0, 5)) - 0.25)
+    assert budget.predicted_value(seq, 4) == pytest.approx(expected)
+    assert budget.predicted_value(seq, 4) == pytest.approx(0.5 * (0.9 - 0.25), abs=0.02)
+    # A line whose own top-bin drafts fail is expected to add less.
+    other = a_line(slot=1)
+    for _ in range(10):
+        budget.for_seq(other).rates.observe(("mtp", 0, 5), False)
+    assert budget.predicted_value(other, 4) < budget.predicted_value(seq, 4)
 
 
 def a_line(max_tokens: int = 64, slot: int = 0) -> SeqState:
@@ -724,17 +798,18 @@ def test_in_a_drain_a_line_that_finishes_first_anyway_drafts_nothing() -> None:
 
 def test_the_drain_stops_once_a_line_has_ended_on_its_own() -> None:
     # A stream of three lines that then ends. The drain holds back the
-    # 16-token line, ahead of the 40-token ones, all the way; unless the
+    # 8-token line, ahead of the 40-token ones all the way (they draft, at
+    # most 4 tokens a verify), unless the
     # first line ends at end of sequence, six tokens in: from then on which
     # line ends last cannot be told from tokens left, and it drafts again.
     probe = FakeModel(num_slots=4)
     eos = reference_greedy(probe, PROMPTS[2], 6)[-1]
-    lines = {"first": (PROMPTS[2], 40), "long": (PROMPTS[0], 40), "short": (PROMPTS[1], 16)}
+    lines = {"first": (PROMPTS[2], 40), "long": (PROMPTS[0], 40), "short": (PROMPTS[1], 8)}
     short_drafts = {}
     for ends in ((), (eos,)):
         expected = {name: reference_greedy(probe, p, n, ends) for name, (p, n) in lines.items()}
         lengths = [len(expected[name]) for name in lines]
-        assert lengths == ([6, 40, 16] if ends else [40, 40, 16])  # only the first ends early
+        assert lengths == ([6, 40, 8] if ends else [40, 40, 8])  # only the first ends early
         engine, model = costed_engine("cpu", mtp_mode="right")
         reqs = [
             Request(name, tuple(p), SamplingParams(max_tokens=n, eos_token_ids=ends))

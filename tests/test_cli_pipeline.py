@@ -125,7 +125,11 @@ def test_copies_and_drafts_never_change_greedy_output(tiny: Path, tmp_path: Path
     runs = {}
     for name, extra in {
         "plain": ["--no-mtp", "--no-prompt-lookup"],
+        # The fixed policy's knobs, so that both sources surely draft; the
+        # budget (the default) runs at batch 1.
         "spec": [
+            "--draft-policy",
+            "fixed",
             "--prompt-lookup-min-match",
             "2",
             "--prompt-lookup-ngram",
