@@ -44,7 +44,8 @@ class BudgetStats:
     none beyond a grammar's forced run. ``verify_ms``: the cost model's verify
     time by row-count bucket; ``head_ms``: one MTP head forward by the
     sequences it drafts for; ``other_ms``: the rest of a step. ``predicted_ms``
-    and ``measured_ms``: mean step time as planned and as it came out.
+    and ``measured_ms``: mean step time as planned and as it came out, both
+    without the head's forwards after the verify (priced apart).
     ``copy_acceptance[j]`` / ``mtp_acceptance[d]``: the run's estimate that
     copy position ``j + 1`` / chain depth ``d + 1`` is accepted when every
     draft before it is."""

@@ -78,6 +78,7 @@ RUN_DECAY = 0.995
 # A sequence's own counts: how firmly the run's estimate holds it, and how
 # fast its past fades.
 SEQ_STRENGTH = 3.0
+SEQ_DECAY = 0.9
 # How firmly the run's estimate holds a line's own for an MTP draft: the plan
 # picks the lines whose few recent drafts were right, and what it picks falls
 # back towards the run's figure (on prose at 16, bins estimated at 0.5-0.64
@@ -85,7 +86,6 @@ SEQ_STRENGTH = 3.0
 SEQ_MTP_STRENGTH = 12.0
 # How fast the head forwards a step whose chains ran follows the latest.
 FORWARDS_ALPHA = 0.2
-SEQ_DECAY = 0.9
 # The chain goes one position deeper when that draft's worth pays its head
 # forward and this share of its verify row: the plan makes the final cut with
 # the draft's own confidence, which the average at its depth hides, so the
@@ -130,8 +130,15 @@ def _parent(key: Key) -> Key | None:
 class Rates:
     """Decayed (accepted, seen) counts per key, over a prior (module doc)."""
 
-    def __init__(self, decay: float, strength: float, prior: Rates | None = None) -> None:
+    def __init__(
+        self,
+        decay: float,
+        strength: float,
+        prior: Rates | None = None,
+        mtp_strength: float | None = None,  # an MTP key's, where not ``strength``
+    ) -> None:
         self.decay, self.strength, self.prior = decay, strength, prior
+        self.mtp_strength = strength if mtp_strength is None else mtp_strength
         self._counts: dict[Key, tuple[float, float]] = {}
         self.observed = 0  # observations so far: a figure derived from these keeps till it moves
 
@@ -142,9 +149,7 @@ class Rates:
         else:
             parent = _parent(key)
             base = self.rate(parent) if parent is not None else FIRST_PRIOR
-        strength = self.strength
-        if self.prior is not None and key[0] == "mtp":
-            strength = max(strength, SEQ_MTP_STRENGTH)
+        strength = self.mtp_strength if key[0] == "mtp" else self.strength
         return (accepted + strength * base) / (seen + strength)
 
     def counts(self, key: Key) -> tuple[float, float]:
@@ -300,7 +305,9 @@ class DraftBudget:
         """A sequence's budget; its chain unvalued until it first runs
         (``predicted_value`` stands for it)."""
         if seq.budget is None:
-            seq.budget = SeqBudget(Rates(SEQ_DECAY, SEQ_STRENGTH, self.rates))
+            seq.budget = SeqBudget(
+                Rates(SEQ_DECAY, SEQ_STRENGTH, self.rates, mtp_strength=SEQ_MTP_STRENGTH)
+            )
         return seq.budget
 
     def predicted_value(self, seq: SeqState, live: int = 1) -> float:
@@ -548,9 +555,8 @@ class DraftBudget:
         a first batch where drafts do not pay learns the chain's acceptance
         without feeding the head every prompt. A look whose held rows cost
         the head more than a forward of its own takes a scout's turn too,
-        one a step: sharing a
-        forward saves such looks little, and one look tells the run what 16
-        would. Once a scout had valued chains not worth their share on a
+        one a step: sharing a forward saves such looks little, and one look
+        tells the run what 16 would. Once a scout had valued chains not worth their share on a
         16-line batch of code edits, all 16 lines looked on step 8 with
         their prompts, 2,058 rows in a 174 ms head forward, 5% of the run,
         and none of them found its chain worth it. A line ``ahead`` in a

@@ -30,7 +30,8 @@ Contract:
 - ``head`` is the time of one MTP head forward by the sequences it feeds,
   the same way, measured as the run's calls to the drafter take it (its
   Python and reads included); ``other_s`` the rest of a step (sampling,
-  lookup, grammar, Python), one running figure.
+  lookup, grammar, Python) beyond its verify and the head's forwards after
+  it, one running figure.
 - ``held_row_s``: what a row held back while a chain rested adds to the
   head forward that takes it (``observe_held``: what such a forward took
   beyond ``head``'s figure for its feeds, per held row), one running
@@ -219,8 +220,8 @@ class CostModel:
         return self.verify.version, self.head.version, self._other_version
 
     def step_s(self, rows: int) -> float:
-        """Predicted seconds of a step that verifies ``rows`` rows (the head's
-        forwards are part of ``other_s``, the step beyond its verify)."""
+        """Predicted seconds of a step that verifies ``rows`` rows, without
+        the head's forwards after the verify (the budget prices them apart)."""
         return self.verify.predict(rows) + self.other_s
 
     def observe_other(self, seconds: float) -> None:
