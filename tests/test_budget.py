@@ -546,6 +546,28 @@ def test_a_look_must_repay_the_rows_it_feeds_the_head_before_the_line_ends() -> 
     assert not budget.look_may_pay(line(1, 100), 1)
 
 
+def test_a_held_rows_figure_weighs_catch_ups_by_their_rows_and_climbs_back_from_low() -> None:
+    costs = CostModel(FakeClock())
+    costs.head.observe(1, 0.001)
+    costs.head.observe(16, 0.004)
+    # A first catch-up of 10 rows: 5 us each beyond the head's forward.
+    costs.observe_held(10, 1, 1, 0.001 + 10 * 5e-6)
+    assert costs.held_row_s() == pytest.approx(5e-6)
+    # 800 rows at 40 us each: the figure goes nearly all the way (moved by a
+    # fixed share a call, at most twice the estimate, it came to 5.75 us).
+    costs.observe_held(800, 16, 1, 0.004 + 800 * 40e-6)
+    expected = (0.85 * 10 * 5e-6 + 800 * 40e-6) / (0.85 * 10 + 800)
+    assert costs.held_row_s() == pytest.approx(expected)
+    assert costs.held_row_s() > 39e-6
+    # A catch-up of 10 rows on a noisy moment moves it little.
+    costs.observe_held(10, 1, 1, 0.001 + 10 * 150e-6)
+    assert 39e-6 < costs.held_row_s() < 42e-6
+    # Nor is a call faster than the head's own forwards counted below nothing.
+    before = costs.held_row_s()
+    costs.observe_held(10, 16, 1, 0.002)
+    assert before * 0.98 < costs.held_row_s() < before
+
+
 def test_a_chain_worth_its_share_waits_while_its_held_rows_would_not_be_repaid() -> None:
     # The costs of the test above: a sure draft adds 0.8 token a step at one
     # sequence, a held row costs 0.5 ms, 0.05 token at 100 tokens/s.

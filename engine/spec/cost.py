@@ -41,7 +41,16 @@ Contract:
   widest head forward (dearer than it is: that feed also reads a draft's
   logits) until measured, it was never measured where it mattered: at 16
   sequences no chain whose prompt was held could repay it at that price,
-  so none started, and no catch-up ever ran to measure one.
+  so none started, and no catch-up ever ran to measure one. The figure is
+  seconds over rows, both summed and decayed by ``ALPHA`` a call, the
+  calibration counting as the rows it measured: a catch-up of 800 rows
+  tells more than one of 10, whose few rows carry the call's own noise.
+  Moved like a bucket, each call by ``ALPHA`` and at most ``SPIKE`` times
+  the estimate, it could not climb back once low: with a stored 5.7 us a
+  row, catch-ups of 400-800 rows at 32-43 us each moved it by 15% a call,
+  a run stored what it reached, and on 16 lines of prose every look and
+  start was priced at a seventh of what it took (they took 2-4% of the
+  run).
 - ``calibrate`` warm-starts ``verify`` from a few forwards at chosen widths,
   and, when the run has a head, ``head`` from a few drafter calls feeding 1,
   2, 4... sequences a row each. Without that, a run whose chains rest from
@@ -79,13 +88,16 @@ SPIKE = 2.0
 # sequences one feeds, a row each).
 CALIBRATION_ROWS = (1, 2, 3, 4, 8, 16, 32, 64)
 CALIBRATION_FEEDS = (1, 2, 4, 8, 16)
-# Rows each sequence hands the head in the calibration's held-row call.
+# Rows each sequence hands the head in the calibration's held-row call; a
+# stored held-row figure counts as the rows of the widest such call.
 HELD_CALIBRATION_ROWS = 16
+SEEDED_HELD_ROWS = CALIBRATION_FEEDS[-1] * (HELD_CALIBRATION_ROWS - 1)
 # Buckets are exact up to this many rows; wider verifies are priced by a line.
 FINE_ROWS = 16
 # Raised whenever the stored figures change meaning (2: the head's beside the
-# verify's; 3: a held row's beside the head's).
-CACHE_FORMAT = 3
+# verify's; 3: a held row's beside the head's; 4: a held row's as a sum, so
+# that the figures stuck low under format 3 are measured again).
+CACHE_FORMAT = 4
 
 Clock = Callable[[], float]
 
@@ -210,7 +222,8 @@ class CostModel:
         self.head = RunningCosts()
         self.other_s = 0.0
         self._other_seen = False
-        self._held_row_s: float | None = None
+        # Held rows' extra seconds and their count, decayed (``held_row_s``).
+        self._held_s = self._held_rows = 0.0
         self._other_version = next(_VERSIONS)
         self.calibrated = False
 
@@ -235,8 +248,8 @@ class CostModel:
 
     def held_row_s(self) -> float:
         """Seconds a held row adds to the head forward that takes it (module doc)."""
-        if self._held_row_s is not None:
-            return self._held_row_s
+        if self._held_rows > 0:
+            return self._held_s / self._held_rows
         widest = max(self.head.table(), default=0)
         return self.head.predict(widest) / widest if widest else 0.0
 
@@ -245,13 +258,18 @@ class CostModel:
         forwards in ``seconds``, ``rows`` held rows among what the first took."""
         if rows <= 0:
             return
-        per_row = max(seconds - forwards * self.head.predict(feeds), 0.0) / rows
-        held = self._held_row_s
-        if held is None:
-            self._held_row_s = per_row
-        else:
-            spike = SPIKE * held if held > 0 else per_row
-            self._held_row_s = held + ALPHA * (min(per_row, spike) - held)
+        extra = max(seconds - forwards * self.head.predict(feeds), 0.0)
+        keep = 1.0 - ALPHA if self._held_rows > 0 else 0.0
+        self._held_s = keep * self._held_s + extra
+        self._held_rows = keep * self._held_rows + rows
+
+    def _seed_held(self, row_s: float | None, rows: int = SEEDED_HELD_ROWS) -> None:
+        """Starts the held rows' figure at ``row_s`` a row, counted as ``rows``
+        rows (those a calibration measures it over)."""
+        self._held_s = self._held_rows = 0.0
+        if row_s is not None:
+            self._held_rows = float(rows)
+            self._held_s = row_s * rows
 
     def calibrate(
         self,
@@ -282,7 +300,7 @@ class CostModel:
                 self.verify.observe(rows, seconds)
             for rows, seconds in cached.head_s.items():
                 self.head.observe(rows, seconds)
-            self._held_row_s = cached.held_row_s
+            self._seed_held(cached.held_row_s)
             return
         _time_widths(self.clock, forward, widths, self.verify)
         if head is not None and feeds:
@@ -294,14 +312,16 @@ class CostModel:
                 return _better_of_two(self.clock, lambda: call(widest, each))[0]
 
             extra = whole_call(HELD_CALIBRATION_ROWS) - whole_call(1)
-            self._held_row_s = max(extra, 0.0) / (widest * (HELD_CALIBRATION_ROWS - 1))
+            rows = widest * (HELD_CALIBRATION_ROWS - 1)
+            self._seed_held(max(extra, 0.0) / rows, rows)
         self.save()
 
     def save(self) -> None:
         """Stores the costs as they stand, so the next run on this set-up
         starts from what this one measured last."""
         if self.cache is not None and self.verify.known():
-            self.cache.store(Calibration(self.verify.table(), self.head.table(), self._held_row_s))
+            held = self.held_row_s() if self._held_rows > 0 else None
+            self.cache.store(Calibration(self.verify.table(), self.head.table(), held))
 
 
 def _covers(measured: Mapping[int, float], sizes: list[int]) -> bool:
