@@ -240,6 +240,21 @@ def test_a_chain_not_valued_yet_is_priced_by_its_first_drafts_confidence() -> No
     assert budget.predicted_value(other, 4) < budget.predicted_value(seq, 4)
 
 
+def test_the_heads_forwards_are_kept_out_of_the_rest_of_the_step() -> None:
+    # The rest of a step prices every row: counted there, the head's forwards
+    # lowered the rate rows and chains are priced at (end_step's doc).
+    costs, budget = four_sequence_costs()
+    budget.plan([Candidates(a_line(slot=n), 1, [], []) for n in range(4)])
+    # A 30 ms step: 20 ms its verify, 6 ms the head's forwards after it.
+    budget.end_step(0.030, 0.020, 0.006)
+    assert costs.other_s == pytest.approx(0.004)
+    assert budget.snapshot().measured_ms == pytest.approx(24.0)
+    # A step without a plan (nothing verified under the budget) counts nothing.
+    budget.end_step(0.100, 0.050, 0.0)
+    assert costs.other_s == pytest.approx(0.004)
+    assert budget.snapshot().steps == 1
+
+
 def a_line(max_tokens: int = 64, slot: int = 0) -> SeqState:
     request = Request(str(slot), (1, 2, 3), SamplingParams(max_tokens=max_tokens))
     return SeqState(request, slot, 128, frozenset(), None, None)
