@@ -556,10 +556,10 @@ class DraftBudget:
         without feeding the head every prompt. A look whose held rows cost
         the head more than a forward of its own takes a scout's turn too,
         one a step: sharing a forward saves such looks little, and one look
-        tells the run what 16 would. Once a scout had valued chains not worth their share on a
-        16-line batch of code edits, all 16 lines looked on step 8 with
-        their prompts, 2,058 rows in a 174 ms head forward, 5% of the run,
-        and none of them found its chain worth it. A line ``ahead`` in a
+        tells the run what 16 would. Once a scout had valued chains not
+        worth their share on a 16-line batch of code edits, all 16 lines
+        looked on step 8 with their prompts, 2,058 rows in a 174 ms head
+        forward, 5% of the run, and none of them found its chain worth it. A line ``ahead`` in a
         drain (``choose.lines_ahead``) verifies no MTP draft, so its chain
         rests without looks until ``HOLD_MAX`` rows wait.
 
