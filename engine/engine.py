@@ -41,7 +41,7 @@ from metrale.engine.runtime.model import Model, MtpModule, Segment
 from metrale.engine.sampling import draw, make_generator, target_probs
 from metrale.engine.sequence import Decode, SeqState, error_result
 from metrale.engine.spec.acceptance import accept_greedy, accept_sampled
-from metrale.engine.spec.budget import HOLD_MAX, DraftBudget
+from metrale.engine.spec.budget import HOLD_MAX, SCORED_ROWS, DraftBudget
 from metrale.engine.spec.choose import (
     Offer,
     lines_ahead,
@@ -593,6 +593,7 @@ class Engine:
         feeds: list[DraftFeed] = []
         parts: list[torch.Tensor] = []
         released = 0  # held rows fed: a forward dearer than a step's own
+        scoring = 0  # rows scored in this forward (``DraftFeed.scored``)
         ahead = self._ahead(batch) if budget is not None else set()
         if budget is not None:
             lines = [s for s in batch if not s.finished and s.slot not in ahead]
@@ -602,15 +603,20 @@ class Engine:
                 continue
             next_ids = seq.history[start + 1 : seq.seq_len + 1]
             rows = hidden[first : first + seq.seq_len - start]
+            scored = 0
             if budget is not None:
-                # A resting chain's rows wait; a drafting one takes them all.
+                # A resting chain's rows wait; a drafting one takes them all,
+                # and a greedy one scores what it would have drafted there.
                 own = budget.for_seq(seq)
                 if not budget.wants_chain(seq, running, seq.slot in ahead):
                     own.hold(start, next_ids, rows)
                     continue
+                if own.held_rows() and seq.request.params.greedy and not scoring:
+                    scored = scoring = SCORED_ROWS  # one feed a forward: the logits cost rows
                 released += own.held_rows()
                 start, next_ids, rows = own.release(start, next_ids, rows)
-            feeds.append(DraftFeed(seq, start, next_ids, self._chain_len(seq, running)))
+            num_drafts = self._chain_len(seq, running)
+            feeds.append(DraftFeed(seq, start, next_ids, num_drafts, scored))
             parts.append(rows)
             if budget is not None:
                 length, agreement = peek_copy(seq, self._lookup, running)

@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
+from metrale.engine.runtime.model import ForwardOutput, LogitRows, MtpLogitRows, Segment
 
 MtpMode = Literal["right", "wrong", "noisy", "mixed"]
 
@@ -125,7 +125,7 @@ class FakeMtp:
         self,
         segments: Sequence[Segment],
         hidden: torch.Tensor,  # [num_tokens, context]
-        logits: LogitRows = "all",
+        logits: MtpLogitRows = "all",
     ) -> ForwardOutput:
         self.forwards.append((list(segments), hidden.clone()))
         assert hidden.shape[0] == sum(len(s.token_ids) for s in segments), "one hidden row a token"
@@ -140,7 +140,10 @@ class FakeMtp:
                 out_hidden.append(self.model.encode(after))
                 i += 1
             last_rows.append(rows[-1])
-        out = torch.stack(rows if logits == "all" else last_rows)
+        if isinstance(logits, torch.Tensor):
+            out = torch.stack([rows[i] for i in logits.tolist()])
+        else:
+            out = torch.stack(rows if logits == "all" else last_rows)
         return ForwardOutput(logits=out, hidden=torch.tensor(out_hidden))
 
     def _draft_logits(self, tokens: tuple[int, ...]) -> torch.Tensor:  # [vocab]
@@ -228,7 +231,7 @@ class CostedMtp(FakeMtp):
         self,
         segments: Sequence[Segment],
         hidden: torch.Tensor,  # [num_tokens, context]
-        logits: LogitRows = "all",
+        logits: MtpLogitRows = "all",
     ) -> ForwardOutput:
         assert isinstance(self.model, CostedModel)
         self.model.clock.now += self.cost

@@ -19,10 +19,18 @@ from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine, calibration_key
 from metrale.engine.load.loader import load_model
 from metrale.engine.prompts import user_prompt_ids
+from metrale.engine.runtime.model import ForwardOutput, MtpLogitRows, Segment
 from metrale.engine.sequence import SeqState
-from metrale.engine.spec.budget import Candidates, DraftBudget
+from metrale.engine.spec.budget import (
+    RUN_DECAY,
+    SCORED_ROWS,
+    SEQ_DECAY,
+    Candidates,
+    DraftBudget,
+)
 from metrale.engine.spec.copies import BATCHED_COPY_MAX
 from metrale.engine.spec.cost import CostCache, CostModel, RunningCosts, bucket
+from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 from metrale.engine.spec.plan import Plan, best_plan
 from metrale.lookup import PromptLookupConfig
 from tests.checkpoints import write_tiny_checkpoint
@@ -32,6 +40,7 @@ from tests.fake_model import (
     FakeClock,
     FakeModel,
     FakeMtp,
+    MtpMode,
     nearly_free_rows,
     reference_greedy,
 )
@@ -240,6 +249,48 @@ def test_a_chain_not_valued_yet_is_priced_by_its_first_drafts_confidence() -> No
     assert budget.predicted_value(other, 4) < budget.predicted_value(seq, 4)
 
 
+def test_a_chain_fed_its_held_rows_scores_the_first_drafts_it_would_have_made_there() -> None:
+    model = FakeModel()
+    prompt = PROMPTS[1]
+    history = [*prompt, *reference_greedy(model, prompt, 12)]
+    written = len(history) - len(prompt)
+
+    def feed(mode: MtpMode, scored: int) -> tuple[DraftBudget, SeqState]:
+        budget, head = DraftBudget(CostModel(FakeClock())), FakeMtp(model, mode=mode)
+        request = Request("r", tuple(prompt), SamplingParams(max_tokens=16))
+        seq = SeqState(request, 0, 128, frozenset(), None, None, history=list(history))
+        seq.seq_len = len(history) - 1  # the last token written is last_token
+        # The main model's hidden rows at every position fed: prompt and all.
+        hidden = torch.tensor([model.encode(history[: p + 1]) for p in range(seq.seq_len)])
+        drafter = MtpDrafter(head, budget=budget)
+        drafter.feed_and_draft([DraftFeed(seq, 0, history[1:], 1, scored)], hidden)
+        return budget, seq
+
+    def seen(n: int) -> float:
+        return sum(RUN_DECAY**k for k in range(n))
+
+    # Every row whose next token but one the line wrote is scored, and no
+    # prompt token is: each agrees exactly when the head's top token is it.
+    cases: tuple[tuple[MtpMode, int], ...] = (("right", written), ("wrong", 0))
+    for mode, agreed in cases:
+        budget, _ = feed(mode, 100)
+        accepted, count = budget.rates.counts(("mtp", 0))
+        assert count == pytest.approx(seen(written))
+        assert accepted == pytest.approx(seen(agreed) if agreed else 0.0)
+    # Only the last ``scored``, and each in the bin of its confidence too.
+    budget, seq = feed("right", 3)
+    assert budget.rates.counts(("mtp", 0))[1] == pytest.approx(seen(3))
+    # The line's own estimate moves with the run's.
+    own = budget.for_seq(seq).rates.counts(("mtp", 0))
+    assert own[1] == pytest.approx(sum(SEQ_DECAY**k for k in range(3)))
+    bins = sum(budget.rates.counts(("mtp", 0, b))[1] for b in range(6))
+    assert bins == pytest.approx(3, abs=0.02)  # decayed per bin
+    # Without ``scored`` nothing is scored at the feed: the draft after the
+    # last row is scored after its verify.
+    budget, _ = feed("right", 0)
+    assert budget.rates.counts(("mtp", 0)) == (0.0, 0.0)
+
+
 def test_the_heads_forwards_are_kept_out_of_the_rest_of_the_step() -> None:
     # The rest of a step prices every row: counted there, the head's forwards
     # lowered the rate rows and chains are priced at (end_step's doc).
@@ -365,6 +416,42 @@ def test_looks_that_feed_the_head_more_than_a_forward_go_one_a_step() -> None:
     # (by then the first holds 8 rows, and looks with the light ones).
     assert looks[2] == looks[3] == [8, 16]
     assert looks[0] == [8, 16] and looks[1] == [16]
+
+
+def test_a_head_forward_scores_the_rows_of_one_chain_that_rested_and_nothing_changes() -> None:
+    engine, model = costed_engine("cpu", mtp_mode="mixed")
+    assert engine._drafter is not None
+    head = engine._drafter.modules[0]
+    assert isinstance(head, CostedMtp)
+    asked: list[int] = []  # rows a forward asked logits of beyond one a feed
+    forward = head.forward
+
+    def recorded(
+        segments: Sequence[Segment], hidden: torch.Tensor, logits: MtpLogitRows = "all"
+    ) -> ForwardOutput:
+        if isinstance(logits, torch.Tensor):
+            asked.append(len(logits) - len(segments))
+        return forward(segments, hidden, logits)
+
+    head.forward = recorded  # type: ignore[method-assign]
+    budget = engine._budget
+    assert budget is not None
+    reads: list[tuple[bool, float]] = []
+    score_fed = budget.score_fed
+
+    def scored(seq: SeqState, seen: Sequence[tuple[bool, float]]) -> None:
+        reads.extend(seen)
+        score_fed(seq, seen)
+
+    budget.score_fed = scored  # type: ignore[method-assign,assignment]
+    prompts = [p * 2 for p in PROMPTS]
+    assert generate(engine, prompts, 60) == [reference_greedy(model, p, 60) for p in prompts]
+    # Chains rested and were fed again, each such forward scoring at most
+    # ``SCORED_ROWS`` rows however many chains it took back, and every row
+    # asked for was scored: the mixed head right at some, wrong at others.
+    assert asked and all(0 < rows <= SCORED_ROWS for rows in asked)
+    assert len(reads) == sum(asked)
+    assert {agreed for agreed, _ in reads} == {True, False}
 
 
 def test_where_drafts_do_not_pay_the_head_reads_no_prompt() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from metrale.engine.api import Request, SamplingParams
-from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
+from metrale.engine.runtime.model import ForwardOutput, MtpLogitRows, Segment
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 
@@ -28,7 +28,7 @@ class ScriptedMtp:
         self.calls = 0
 
     def forward(
-        self, segments: Sequence[Segment], hidden: torch.Tensor, logits: LogitRows = "all"
+        self, segments: Sequence[Segment], hidden: torch.Tensor, logits: MtpLogitRows = "all"
     ) -> ForwardOutput:
         row = PEAKED if self.calls == 0 else FLAT
         self.calls += 1

@@ -38,6 +38,9 @@ class Segment:
 
 
 LogitRows = Literal["all", "last"]
+# An MTP module's forward may also be asked for the rows of an index tensor
+# (1-D int64, in its order): the drafter reads rows of a feed besides its last.
+MtpLogitRows = LogitRows | torch.Tensor
 
 
 @dataclass
@@ -95,5 +98,5 @@ class MtpModule(Protocol):
         self,
         segments: Sequence[Segment],
         hidden: torch.Tensor,  # [num_tokens, hidden_size], rows in segment order
-        logits: LogitRows = "all",
+        logits: MtpLogitRows = "all",
     ) -> ForwardOutput: ...

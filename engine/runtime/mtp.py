@@ -56,7 +56,7 @@ import torch
 from metrale.engine.runtime.block import BlockWeights, load_block, make_cache
 from metrale.engine.runtime.kv_cache import plan_rows
 from metrale.engine.runtime.llama import DecoderStack, LlamaModel
-from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
+from metrale.engine.runtime.model import ForwardOutput, MtpLogitRows, Segment
 from metrale.engine.runtime.ops import Weight, linear, rms_norm
 from metrale.engine.runtime.packed import PackedSource, PackedWeight
 from metrale.engine.runtime.static_step import static_plan
@@ -158,7 +158,7 @@ class MtpLayer:
         self,
         segments: Sequence[Segment],
         hidden: torch.Tensor,  # [num_tokens, hidden_size], rows in segment order
-        logits: LogitRows = "all",
+        logits: MtpLogitRows = "all",
     ) -> ForwardOutput:
         model = self.model
         plan = plan_rows(
@@ -166,7 +166,10 @@ class MtpLayer:
         )
         assert hidden.shape[0] == plan.num_tokens, "one hidden row per segment token"
         y = self.stack.run(self._input(plan.token_ids, hidden), plan, model.rope)
-        rows = y if logits == "all" else y.index_select(0, plan.last_rows)
+        if isinstance(logits, torch.Tensor):
+            rows = y.index_select(0, logits.to(y.device))
+        else:
+            rows = y if logits == "all" else y.index_select(0, plan.last_rows)
         return ForwardOutput(logits=self._logits(rows), hidden=y)
 
     def prepare_static(self) -> bool:

@@ -24,7 +24,12 @@ lines whose few latest drafts were right. For a greedy request every draft
 source is scored after the verify
 against the tokens it produced, whether it was verified or not: a draft
 agrees with greedy output exactly when the verify would have accepted it, so
-a source the plan left out still learns, and can win again.
+a source the plan left out still learns, and can win again. A chain that
+rested and is fed its held rows again (a scout, a look, a start) also
+scores what the head would have drafted first at up to ``SCORED_ROWS`` of
+the rows it wrote meanwhile (``score_fed``; one such chain a head forward,
+since those rows' logits cost): one feed tells the run what a step's worth
+of running chains would.
 
 The plan (``plan.py``): a grammar's forced drafts and one bonus token per
 sequence are sure; each sequence's MTP chain and its copy (when it has one)
@@ -101,6 +106,9 @@ VALUE_ALPHA = 0.2
 EXPLORE_EVERY = 8
 EXPLORE_MAX = 64
 HOLD_MAX = 512
+# A chain that rested scores the first drafts the head would have made at up
+# to this many of the rows it is fed again (``score_fed``).
+SCORED_ROWS = 8
 
 
 def tokens_left(seq: SeqState) -> int:
@@ -620,6 +628,21 @@ class DraftBudget:
         """Whether feeding the head the rows ``budget`` holds costs more than
         a head forward of its own (``wants_chain``: such looks go one a step)."""
         return budget.held_rows() * self.costs.held_row_s() > self.costs.head.predict(1)
+
+    def score_fed(self, seq: SeqState, reads: Sequence[tuple[bool, float]]) -> None:
+        """Scores, as first drafts, what the head would have drafted at rows
+        a resting chain was fed again (``MtpDrafter``, ``SCORED_ROWS``): per
+        row, whether its top token is the one the line wrote there and that
+        token's probability. A first draft is drafted from the row of the
+        latest final token, as these were, and a greedy line accepts it
+        exactly when it is that token; so a scout or a look learns from a
+        step's worth of rows what it would otherwise take a step's worth of
+        running chains to learn. Greedy lines only (``Engine``)."""
+        rates = self.for_seq(seq).rates
+        for agreed, top_prob in reads:
+            key: Key = ("mtp", 0, confidence_bin(top_prob))
+            rates.observe(key, agreed)
+            rates.observe(key[:2], agreed)
 
     def rival_copy(self, seq: SeqState, length: int, agreement: int) -> None:
         """The copy ``seq`` will be offered next (``length`` drafts, 0: none):
