@@ -166,7 +166,7 @@ class MtpDrafter:
         out = self._forward_scoring(module, segments, hidden, feeds, list(range(len(feeds))), sizes)
         self.forwards += 1
         # out.logits: [num_feeds, vocab]; out.hidden: [num_tokens, hidden_size]
-        ends = torch.tensor([len(f.next_ids) for f in feeds]).cumsum(0) - 1  # [num_feeds]
+        ends = torch.tensor(sizes).cumsum(0) - 1  # [num_feeds]
         live = [i for i, f in enumerate(feeds) if f.num_drafts > 0]
         index = torch.tensor(live, dtype=torch.long)
         logits = out.logits[index.to(out.logits.device)]  # [num_live, vocab]
