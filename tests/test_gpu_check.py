@@ -1,4 +1,4 @@
-"""The prepared GPU check (``tests/gpu_check.py``, ``tests/gpu_step_ms.py``) on the CPU."""
+"""The prepared GPU check (``tests/support/gpu_check.py``, ``tests/support/gpu_step_ms.py``) on the CPU."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.gpu_check import FAMILIES, MODES
-from tests.gpu_step_ms import TINY, bench_step_ms, targets
+from tests.support.gpu_check import FAMILIES, MODES
+from tests.support.gpu_step_ms import TINY, bench_step_ms, targets
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,9 +22,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_the_dry_run_reports_parity_one_readback_per_step_and_every_key(tmp_path: Path) -> None:
     out = tmp_path / "gpu-check.json"
-    command = [sys.executable, "-m", "tests.gpu_check", "--device", "cpu", "--max-tokens", "12"]
+    command = [sys.executable, "-m", "tests.support.gpu_check", "--device", "cpu"]
     done = subprocess.run(
-        [*command, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [*command, "--max-tokens", "12", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())

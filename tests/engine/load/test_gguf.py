@@ -1,0 +1,238 @@
+"""A `.gguf` file as the model: converted once, exactly, or refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from metrale.cli.main import app
+from metrale.engine.api import Request, SamplingParams
+from metrale.engine.config import EngineConfig, RuntimeConfig
+from metrale.engine.engine import Engine
+from metrale.engine.load import gguf_cache
+from metrale.engine.load.convert_once import STAMP
+from metrale.engine.load.gguf_config import GgufError
+from metrale.engine.load.loader import LoadedModel, load_model
+from metrale.engine.runtime.model import Segment
+from metrale.lookup import PromptLookupConfig
+from tests.support.checkpoints import write_tiny_checkpoint
+from tests.support.gguf_files import dequantized_twin, write_gguf
+from tests.support.rope_scalings import LLAMA3_ROPE
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [40, 41, 42], list(range(60, 90))]
+RUNTIME = RuntimeConfig(device="cpu", dtype="float32", num_slots=3, max_len=128)
+WIDE = {"COLUMNS": "400", "NO_COLOR": "1"}
+
+
+@pytest.fixture(autouse=True)
+def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Conversions go to a fresh folder (the kernels stay in the real home)."""
+    root = tmp_path / "converted"
+    monkeypatch.setattr(gguf_cache, "gguf_cache_root", lambda: root)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny forwards on a shared machine
+    yield root
+    torch.set_num_threads(threads)
+
+
+def tiny(
+    tmp_path: Path, family: str = "llama", tie_embeddings: bool = False, wide: bool = False
+) -> Path:
+    """The tiny checkpoint; ``wide`` rows hold 256 values, k-quants' block."""
+    return write_tiny_checkpoint(
+        tmp_path / f"{family}-twin",
+        family,
+        tie_embeddings=tie_embeddings,
+        hidden_size=256 if wide else 64,
+        intermediate_size=256 if wide else 128,
+    )
+
+
+def greedy(loaded: LoadedModel, lookup: bool = False) -> dict[str, tuple[int, ...]]:
+    config = EngineConfig(
+        max_batch=3, mtp=False, prompt_lookup=PromptLookupConfig(min_match=2) if lookup else None
+    )
+    engine = Engine.from_loaded(loaded, config)
+    params = SamplingParams(max_tokens=20)
+    requests = (Request(str(i), tuple(p), params) for i, p in enumerate(PROMPTS))
+    return {r.request_id: r.output_ids for r in engine.generate(requests)}
+
+
+def prefill_logits(loaded: LoadedModel) -> torch.Tensor:
+    segments = [Segment(s, 0, ids) for s, ids in enumerate(PROMPTS)]
+    return loaded.model.forward(segments).logits  # [num_tokens, vocab]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_an_f32_gguf_converts_to_its_checkpoint_tensor_for_tensor(
+    tmp_path: Path, family: str
+) -> None:
+    # llama's q/k rows are stored permuted (and must come back unpermuted);
+    # Qwen's are stored as they are, with q/k/v biases (qwen2) or q/k norms (qwen3).
+    twin = tiny(tmp_path, family)
+    folder = gguf_cache.ensure_gguf_model(write_gguf(twin, tmp_path / "m.gguf"))
+    ours, theirs = (
+        load_file(str(folder / "model.safetensors")),
+        load_file(str(twin / "model.safetensors")),
+    )
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    config, twin_config = (json.loads((f / "config.json").read_text()) for f in (folder, twin))
+    for key in ("model_type", "architectures", "num_key_value_heads", "tie_word_embeddings"):
+        assert config[key] == twin_config[key], key
+    assert config["rope_parameters"] == twin_config["rope_parameters"]
+    assert np.float32(config["rms_norm_eps"]) == np.float32(twin_config["rms_norm_eps"])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_an_f32_gguf_generates_what_its_checkpoint_generates(tmp_path: Path, family: str) -> None:
+    twin = tiny(tmp_path, family, tie_embeddings=family == "qwen3")
+    path = write_gguf(twin, tmp_path / "m.gguf")
+    ours, theirs = load_model(str(path), RUNTIME), load_model(twin, RUNTIME)
+    assert torch.equal(prefill_logits(ours), prefill_logits(theirs))
+    assert greedy(ours) == greedy(theirs)
+    assert (
+        ours.eos_token_ids == theirs.eos_token_ids
+    )  # EOS and end of turn: <|endoftext|>, <|im_end|>
+    assert ours.name == "m" and ours.info.source.startswith(f"gguf file {path}")
+
+
+def test_llama3_rope_scaling_is_read_back_from_its_divisors(tmp_path: Path) -> None:
+    # Heads of 32: 16 frequencies, two of them smoothed between the two wavelengths.
+    twin = write_tiny_checkpoint(
+        tmp_path / "llama3", "llama", num_heads=2, rope_parameters=LLAMA3_ROPE
+    )
+    path = write_gguf(twin, tmp_path / "m.gguf")
+    ours, theirs = load_model(str(path), RUNTIME), load_model(twin, RUNTIME)
+    config = json.loads((ours.folder / "config.json").read_text())
+    assert config["rope_parameters"] == LLAMA3_ROPE
+    assert "rope_freqs.weight" not in load_file(str(ours.folder / "model.safetensors"))
+    assert torch.equal(prefill_logits(ours), prefill_logits(theirs))
+
+
+def test_rope_divisors_no_llama3_scaling_gives_are_refused(tmp_path: Path) -> None:
+    twin = write_tiny_checkpoint(
+        tmp_path / "llama3", "llama", num_heads=2, rope_parameters=LLAMA3_ROPE
+    )
+    path = write_gguf(twin, tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(str(path), "r+")
+    (divisors,) = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    divisors.data[3] *= 1.5  # memory-mapped: edits the file
+    del reader
+    with pytest.raises(GgufError, match=r"rope_freqs\.weight holds RoPE divisors"):
+        gguf_cache.ensure_gguf_model(path)
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_metadata(tmp_path: Path) -> None:
+    twin = tiny(tmp_path)
+    ours = load_model(str(write_gguf(twin, tmp_path / "m.gguf")), RUNTIME).tokenizer
+    theirs = load_model(twin, RUNTIME).tokenizer
+    text = "héllo <|im_start|>user\n wörld<|im_end|>"
+    assert ours.encode(text) == theirs.encode(text)
+    assert ours.decode(ours.encode(text)) == text
+    chat = [{"role": "user", "content": "hi"}]
+    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+    assert ours.apply_chat_template(chat, **kwargs) == theirs.apply_chat_template(chat, **kwargs)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_a_block_gguf_generates_what_its_dequantized_twin_generates(
+    tmp_path: Path, qtype: str
+) -> None:
+    source = tiny(tmp_path)
+    twin = dequantized_twin(source, tmp_path / "dequantized", qtype)
+    path = write_gguf(source, tmp_path / "m.gguf", qtype)
+    dense = RuntimeConfig(**{**vars(RUNTIME), "weights": "dense"})
+    ours, theirs = load_model(str(path), dense), load_model(twin, dense)
+    assert torch.equal(prefill_logits(ours), prefill_logits(theirs))
+    assert greedy(ours) == greedy(theirs)
+    packed = load_model(str(path), RUNTIME)  # the blocks as stored, in the CPU kernel
+    assert packed.info.weights == f"packed ({qtype.lower()})"
+    assert greedy(packed) == greedy(theirs) == greedy(packed, lookup=True)
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+def test_a_half_precision_gguf_keeps_its_dtype(tmp_path: Path, qtype: str) -> None:
+    source = tiny(tmp_path)
+    twin = dequantized_twin(source, tmp_path / "rounded", qtype)
+    folder = gguf_cache.ensure_gguf_model(write_gguf(source, tmp_path / "m.gguf", qtype))
+    ours, theirs = (
+        load_file(str(folder / "model.safetensors")),
+        load_file(str(twin / "model.safetensors")),
+    )
+    dtype = torch.float16 if qtype == "F16" else torch.bfloat16
+    assert ours["model.layers.0.self_attn.q_proj.weight"].dtype == dtype
+    assert all(torch.equal(ours[name].float(), theirs[name]) for name in theirs)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0"])
+def test_an_unsupported_tensor_type_is_refused_naming_it_and_the_tensor(
+    tmp_path: Path, cache_root: Path, qtype: str
+) -> None:
+    path = write_gguf(tiny(tmp_path, wide=True), tmp_path / "m.gguf", qtype)
+    first = gguf.GGUFReader(str(path)).tensors[0].name  # a 2-D weight: norms stay F32
+    with pytest.raises(
+        GgufError, match=rf"tensor {first} is {qtype}; .*F32, F16, BF16, Q8_0, Q4_1"
+    ):
+        load_model(str(path), RUNTIME)
+    assert not any(cache_root.iterdir())  # no folder, finished or not
+
+
+def metadata_only(path: Path, arch: str, **numbers: int) -> Path:
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in numbers.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_other_architectures_and_mixtures_of_experts_are_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(GgufError, match=r"architecture 'gemma2' is not supported; .*qwen3"):
+        gguf_cache.ensure_gguf_model(metadata_only(tmp_path / "g.gguf", "gemma2"))
+    mixtral = metadata_only(tmp_path / "x.gguf", "llama", expert_count=8)
+    with pytest.raises(GgufError, match=r"llama\.expert_count is 8"):
+        gguf_cache.ensure_gguf_model(mixtral)
+
+
+def test_a_gguf_converts_once_and_again_when_the_file_changes(
+    tmp_path: Path, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_gguf(tiny(tmp_path), tmp_path / "m.gguf")
+    first = gguf_cache.ensure_gguf_model(path)
+    assert json.loads((first / STAMP).read_text())["source"] == str(path.resolve())
+
+    def never(*_: Any) -> None:
+        raise AssertionError("converted twice")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf_cache, "convert_gguf", never)
+        assert gguf_cache.ensure_gguf_model(path) == first
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # a new copy
+    second = gguf_cache.ensure_gguf_model(path)
+    assert second != first and (second / STAMP).exists()
+    assert [p.name for p in cache_root.iterdir()] == [second.name]  # the stale one is gone
+
+
+def test_info_names_the_gguf_and_refuses_a_bad_one_with_exit_2(tmp_path: Path) -> None:
+    path = write_gguf(tiny(tmp_path), tmp_path / "m.gguf")
+    result = CliRunner().invoke(app, ["info", str(path)], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert f"gguf file {path}" in result.output
+    bad = write_gguf(tiny(tmp_path / "k", wide=True), tmp_path / "k.gguf", "Q4_K")
+    result = CliRunner().invoke(app, ["info", str(bad)], env=WIDE)
+    assert result.exit_code == 2
+    assert "is Q4_K" in result.output
