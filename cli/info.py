@@ -45,12 +45,12 @@ if TYPE_CHECKING:
 
 def step_path(loaded: LoadedModel) -> str:
     """Which step ``generate --step-path auto`` runs for this model here: the
-    device step's own rule (``device_step.device_step_problem``)."""
-    from metrale.engine.device_step import device_step_problem
+    device step's own rule (``device_verify.device_verify_problem``)."""
+    from metrale.engine.step.device_verify import device_verify_problem
 
     if loaded.model.device.type != "cuda":
         return "host (--step-path device runs the GPU's step here)"
-    problem = device_step_problem(loaded.model, loaded.mtp)
+    problem = device_verify_problem(loaded.model, loaded.mtp)
     if problem is not None:
         return f"host: the device step cannot run it ({problem})"
     return "device: one upload and one readback a step (--step-path host: the host's)"

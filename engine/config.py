@@ -95,7 +95,7 @@ class SharedLookupSettings:
 
 class StepPathError(ValueError):
     """``step_path="device"`` for a model the device step cannot run
-    (``device_step.py``); the message names the field (``step_path: ...``)."""
+    (``step/device_verify.py``); the message names the field (``step_path: ...``)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class EngineConfig:
     the measured verify cost and live acceptance (``spec/budget.py``);
     ``"fixed"`` keeps the ladder and the copy windows' own lengths.
     ``step_path``: ``"device"`` runs each step's verify, acceptance and MTP
-    chain as device tensor ops with one readback (``device_step.py``; the
+    chain as device tensor ops with one readback (``step/device_verify.py``; the
     fixed policy drafts there); ``"host"`` the step that decides on the host;
     ``"auto"`` the device step on CUDA, the host step on the CPU."""
 
@@ -158,7 +158,7 @@ class RuntimeConfig:
     """Where and how the model runs.
 
     ``device``/``dtype`` of ``None`` pick the defaults (CUDA with bfloat16 when
-    available, else the CPU default documented in the README). ``max_len`` of
+    available, else the CPU default documented in docs/models.md). ``max_len`` of
     ``None`` uses the model's context length, capped by ``kv_budget_mb`` when
     that is set. ``kv_cache_gb`` (GiB, main + MTP caches of all slots) sizes
     slots x positions by ``runtime/kv_sizing.py``'s rule; left ``None``, a

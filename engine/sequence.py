@@ -8,7 +8,7 @@ Contract (owned by the engine loop, one ``SeqState`` per admitted request):
   and ``last_token == history[seq_len]`` is the token the next verify feeds
   first: the last one sampled, or, under the device step before its first
   verify, the prompt's own last token (that step's prefill stops one short,
-  ``device_step.py``), so ``decoding`` turns true only after that verify. The history prompt lookup matches against, every token the
+  ``step/device_verify.py``), so ``decoding`` turns true only after that verify. The history prompt lookup matches against, every token the
   sequence holds including ``last_token``, is therefore just ``history``.
 - ``pending_drafts`` are the drafts the next verify checks after
   ``last_token``; ``pending_probs`` their distributions when the MTP drafter

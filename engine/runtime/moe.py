@@ -20,7 +20,7 @@ Expert weights come from the public per-expert keys
 (``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``), gate and up
 stacked into one ``[2 * expert_size, hidden]`` weight per expert at load.
 
-The device step (``device_step.py``) cannot afford that loop: its length is
+The device step (``step/device_verify.py``) cannot afford that loop: its length is
 the number of active experts, which only the host knows after reading the
 router's counts, one sync per layer, and a CUDA graph cannot hold it.
 ``stack_experts`` therefore stacks a block's experts into ``[experts, ...]``

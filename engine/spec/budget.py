@@ -9,9 +9,8 @@ which asks ``deeper`` before each further chain position.
 Estimates (``Rates``): the probability that a draft is accepted given that
 every draft before it was, per key: for prompt-lookup copies
 ``("copy", position, agreement bin)`` (how many tokens before the copied
-stretch agreed with the line's own, binned: a copy that agreed on 1 token
-was right a quarter of the time on the sample sets, on 2 about half, on 8
-or more four times in five) and ``("copy", position)``; for the MTP chain
+stretch agreed with the sequence's own, binned: the longer the agreement,
+the likelier the copy) and ``("copy", position)``; for the MTP chain
 ``("mtp", depth, confidence bin)`` (the module's own top probability,
 binned) and ``("mtp", depth)``. The run's estimate of a key starts from a
 coarser one (``_parent``: a bin from its position or depth, a position
@@ -19,8 +18,9 @@ from the one before it), so what one key has seen informs those not seen
 yet. Each sequence keeps its own decayed counts, with the
 run-wide estimate as its prior, so a new sequence starts from what the run
 has seen and an old one follows its own text; for an MTP draft the prior
-holds four times as firmly (``SEQ_MTP_STRENGTH``), since the plan picks the
-lines whose few latest drafts were right. For a greedy request every draft
+holds more firmly (``SEQ_MTP_STRENGTH``), since the plan picks the
+sequences whose few latest drafts were right, and those fall back towards
+the run's figure. For a greedy request every draft
 source is scored after the verify
 against the tokens it produced, whether it was verified or not: a draft
 agrees with greedy output exactly when the verify would have accepted it, so
@@ -37,12 +37,12 @@ are candidate prefixes with their expected accepted tokens; the allocation
 maximising expected tokens over the predicted step time (``cost.py``) wins.
 
 The chain: the head forward that takes a verify's rows drafts for the
-lines whose chains are worth it together (``share_head``: it costs little
-more for many lines than for one); the first MTP draft comes with that
+sequences whose chains are worth it together (``share_head``: it costs little
+more for many sequences than for one); the first MTP draft comes with that
 forward, so it is always drafted; the head runs one more position for a
 sequence only when the draft there, with every one before it, is likely
 enough to be worth its verify row at the current rate, and only while the
-copy the line will be offered next, as long or shorter, is not expected to
+copy the sequence will be offered next, as long or shorter, is not expected to
 accept as many (``deeper``, ``rival_copy``): the plan would take the copy.
 
 Exactness: the plan only decides how many drafts a verify checks. For a
@@ -84,10 +84,9 @@ RUN_DECAY = 0.995
 # fast its past fades.
 SEQ_STRENGTH = 3.0
 SEQ_DECAY = 0.9
-# How firmly the run's estimate holds a line's own for an MTP draft: the plan
-# picks the lines whose few recent drafts were right, and what it picks falls
-# back towards the run's figure (on prose at 16, bins estimated at 0.5-0.64
-# per line were right 0.11-0.45 of the time).
+# How firmly the run's estimate holds a sequence's own for an MTP draft: the
+# plan picks the sequences whose few recent drafts were right, and what it
+# picks falls back towards the run's figure.
 SEQ_MTP_STRENGTH = 12.0
 # How fast the head forwards a step whose chains ran follows the latest.
 FORWARDS_ALPHA = 0.2
@@ -181,21 +180,21 @@ class SeqBudget:
     chain_keys: list[Key] = field(default_factory=list)  # one per MTP draft, in order
     chain_odds: float = 1.0  # the chance every chain draft so far is accepted
     chain_gain: float = 0.0  # expected accepted drafts of the chain so far
-    # Expected accepted drafts of the copy this line will be offered, by its
+    # Expected accepted drafts of the copy this sequence will be offered, by its
     # length (``DraftBudget.rival_copy``); [] when none.
     copy_rival: list[float] = field(default_factory=list)
     # Expected tokens a step the chain added over the other source: decayed
     # over the steps whose plan could choose it; None before its chain first
     # ran (``DraftBudget.predicted_value`` stands for it).
     chain_value: float | None = None
-    # The ``share_head`` choice this line was last priced in (its count),
+    # The ``share_head`` choice this sequence was last priced in (its count),
     # and whether its chain was among those chosen there.
     shared_at: int = -1
     shared: bool = False
     since_chain: int = 0  # steps since the chain last drafted
     explore_every: int = EXPLORE_EVERY  # steps between looks while it rests
     held: list[tuple[int, list[int], torch.Tensor]] = field(default_factory=list)
-    _held_count: int = 0  # rows in ``held``: asked several times a step by every line
+    _held_count: int = 0  # rows in ``held``: asked several times a step by every sequence
 
     def hold(self, start: int, next_ids: list[int], rows: torch.Tensor) -> None:
         """Keeps a verify's final rows for the head instead of feeding them."""
@@ -306,7 +305,7 @@ class DraftBudget:
         self._scouted = -1  # the plan count of the last such look, or of a dear one
         self._plan: Plan | None = None
         # ``chain_margin``'s last answer, by live count and the versions of
-        # what it reads: every resting line of a batch asks it every step.
+        # what it reads: every resting sequence of a batch asks it every step.
         self._margin: tuple[object, tuple[float, float]] | None = None
 
     def for_seq(self, seq: SeqState) -> SeqBudget:
@@ -323,21 +322,11 @@ class DraftBudget:
         (``SeqBudget.chain_value``), in tokens: its first draft's worth less
         the time of its verify row at the current rate (the plan's own
         pricing; before the first plan, at the rate of a step of ``live``
-        rows), read per confidence bin at the line's own acceptance there
+        rows), read per confidence bin at the sequence's own acceptance there
         (its estimate over the run's) and weighed by how often the run's
         first drafts fell in that bin. The plan verifies a draft only where
         it is worth its row, so a bin worth less adds nothing. Before any
-        first draft was scored: the line's first-draft estimate less its row.
-
-        The run's figure of what chains had added (as its start, before)
-        went stale where chains rested: on a 16-line batch of JSON
-        rewrites, the first steps' chains (the head's acceptance still at
-        its prior) left it at -0.1 token; every line admitted after them took
-        it as its own, and each look moved a line's figure a fifth of the way
-        towards what its chain added, looks 8 to 64 steps apart. The chains
-        of 13 of the 16 lines never ran, where the head's first drafts were
-        right three times in four and the fixed ladder ran 8% faster than no
-        drafts."""
+        first draft was scored: the sequence's first-draft estimate less its row."""
         _, row, shares = self._first_draft_terms(live)
         rates = self.for_seq(seq).rates
         if not shares:
@@ -411,12 +400,9 @@ class DraftBudget:
     def look_may_pay(self, seq: SeqState, live: int) -> bool:
         """Whether a look at ``seq``'s resting chain could pay for itself:
         the most the chain could add a step (``chain_margin``), over every
-        token the line has left to write (a step makes one at least), against
+        token the sequence has left to write (a step makes one at least), against
         the head's time over the rows the chain holds, which the look feeds
-        it (``CostModel.held_row_s``). Without the held rows, a batch's
-        lines looked at their chains with a hundred rows held apiece where a
-        chain could add nothing, and near their ends, where it had no steps
-        left to repay the feed."""
+        it (``CostModel.held_row_s``)."""
         margin, rate = self.chain_margin(live)
         if margin <= 0:
             return False
@@ -486,33 +472,30 @@ class DraftBudget:
             own = self.predicted_value(seq, live)
         budget.chain_value = own + VALUE_ALPHA * (value - own)
 
-    def share_head(self, lines: Sequence[SeqState], live: int) -> None:
+    def share_head(self, sequences: Sequence[SeqState], live: int) -> None:
         """Chooses, for the head forward after this verify, the chains worth
-        it together: the ``k`` lines of highest value (``chain_value``, or
+        it together: the ``k`` sequences of highest value (``chain_value``, or
         ``predicted_value`` for a chain not valued yet) whose values sum
         furthest above the time of the head's forwards feeding ``k``, in
         tokens at the current rate (as many forwards as a step whose chains
         ran has lately taken, ``head_ran``: a chain that goes deeper runs
-        one more; on prose at 16 they came to 5 ms a step, where one forward
-        of 16 lines is 2.9); ``wants_chain`` starts those chains. ``lines``:
-        those that may draft (not ahead in a drain); a line whose held rows
-        its chain could not repay (``look_may_pay``) is left out. A line
+        one more); ``wants_chain`` starts those chains. ``sequences``:
+        those that may draft (not ahead in a drain); a sequence whose held rows
+        its chain could not repay (``look_may_pay``) is left out. A sequence
         this choice did not price (its prompt completes before its first
         verify) joins where its value pays what its feed adds to the
         forward (``_joins``). The forward is priced as if only the chosen
         chains fed it: looks and scouts that will share it are not known
         yet, so a chain may be left out whose feed would have cost less.
 
-        A head forward costs little more for 16 lines than for one (about
-        2.9 against 1.1 ms for the default model on this CPU), so whether a
-        chain pays its share depends on how many others run theirs. Priced
-        one line at a time, as shared by as many as it had lately fed, the
-        chains of a 16-line batch that rested stayed resting: a line whose
-        chain added 0.15 token a step was charged the whole forward, 0.7."""
+        A head forward costs little more for many sequences than for one, so
+        whether a chain pays its share depends on how many others run
+        theirs: priced one at a time, each would be charged the whole
+        forward."""
         self._shares += 1
         rate = self._first_draft_terms(live)[0]
         valued: list[tuple[float, SeqBudget]] = []
-        for seq in lines:
+        for seq in sequences:
             budget = self.for_seq(seq)
             budget.shared_at, budget.shared = self._shares, False
             if budget.held_rows() and not self.look_may_pay(seq, live):
@@ -549,7 +532,7 @@ class DraftBudget:
     def wants_chain(self, seq: SeqState, live: int, ahead: bool = False) -> bool:
         """Whether the head drafts for ``seq`` after this verify: while the
         chain is among those worth the head forward together (``share_head``,
-        or ``_joins`` for a line it did not price), on a look, or when
+        or ``_joins`` for a sequence it did not price), on a look, or when
         ``HOLD_MAX`` rows wait.
         (Further positions of the chain pay their own forwards, ``deeper``.)
 
@@ -564,10 +547,7 @@ class DraftBudget:
         without feeding the head every prompt. A look whose held rows cost
         the head more than a forward of its own takes a scout's turn too,
         one a step: sharing a forward saves such looks little, and one look
-        tells the run what 16 would. Once a scout had valued chains not
-        worth their share on a 16-line batch of code edits, all 16 lines
-        looked on step 8 with their prompts, 2,058 rows in a 174 ms head
-        forward, 5% of the run, and none of them found its chain worth it. A line ``ahead`` in a
+        tells the run what 16 would. A sequence ``ahead`` in a
         drain (``choose.lines_ahead``) verifies no MTP draft, so its chain
         rests without looks until ``HOLD_MAX`` rows wait.
 
@@ -575,11 +555,9 @@ class DraftBudget:
         time over the rows the chain holds (``look_may_pay``): where a
         verify row costs about a token's share of the step, every look would
         be a head forward, held prompt and all, for nothing. Looks resume as
-        soon as the costs allow, as a batch thins out, unless the line is
+        soon as the costs allow, as a batch thins out, unless the sequence is
         too near its end. Nor does a chain worth its share start while it
-        holds rows that it could not repay: once a scout had valued chains
-        on a 16-line batch of code edits, the other 14 lines started theirs
-        on one step, their prompts (1,900 rows) in one head forward."""
+        holds rows that it could not repay."""
         budget = self.for_seq(seq)
         if ahead and budget.held_rows() < HOLD_MAX:
             return False
@@ -632,12 +610,12 @@ class DraftBudget:
     def score_fed(self, seq: SeqState, reads: Sequence[tuple[bool, float]]) -> None:
         """Scores, as first drafts, what the head would have drafted at rows
         a resting chain was fed again (``MtpDrafter``, ``SCORED_ROWS``): per
-        row, whether its top token is the one the line wrote there and that
+        row, whether its top token is the one the sequence wrote there and that
         token's probability. A first draft is drafted from the row of the
-        latest final token, as these were, and a greedy line accepts it
+        latest final token, as these were, and a greedy sequence accepts it
         exactly when it is that token; so a scout or a look learns from a
         step's worth of rows what it would otherwise take a step's worth of
-        running chains to learn. Greedy lines only (``Engine``)."""
+        running chains to learn. Greedy sequences only (``Engine``)."""
         rates = self.for_seq(seq).rates
         for agreed, top_prob in reads:
             key: Key = ("mtp", 0, confidence_bin(top_prob))
@@ -713,12 +691,8 @@ class DraftBudget:
     def end_step(self, measured_s: float, verify_s: float, head_s: float = 0.0) -> None:
         """A step that verified: its measured time against the plan's, both
         without the head's forwards after the verify (``head_s``), which
-        ``share_head`` and ``deeper`` price apart. Counted in the rest of the
-        step, as before, they lowered the rate every row and head forward is
-        priced at: on 16 lines of prose, with chains running, a verify row
-        was priced at 0.37 token where it cost about 0.6 (1.0-1.25 ms beyond
-        16 rows, against 1.63 ms a token at 16), and the plan verified first
-        drafts right four times in ten."""
+        ``share_head`` and ``deeper`` price apart: counted in the rest of the
+        step, they would lower the rate every row is priced at."""
         if self._plan is None:
             return
         self._steps += 1

@@ -14,19 +14,13 @@ Contract:
   measured it is extrapolated along the cost of the last measured row, and
   below the narrowest it costs what the narrowest does. Above 16 rows (a
   batch's verify with drafts) it is read off one straight line through the
-  16-row bucket: each coarse bucket holds the mean row count it saw as well
-  as its time, and the line's slope is the mean of the wide buckets' own
-  slopes (their cost beyond the 16-row figure per row beyond 16), each
-  weighed by how often it was measured. Interpolating bucket to bucket
-  priced some rows as free: two neighbouring buckets measured on a noisy
-  moment often come out equal (a 24-row verify as cheap as a 20-row one),
-  and the plan then took rows 21-24 for nothing. Weighed by their counts,
-  the widths a run verifies decide the slope within a few steps: fitted by
-  least squares, the calibrated 64-row bucket, which a batch of 16 rarely
-  verifies, held it, and the first draft rows of a 16-sequence step were
-  priced at four fifths of what they took. A bucket measured again moves
-  by ``ALPHA`` towards the new figure, so the estimate follows the context
-  growing and the machine getting busier.
+  16-row bucket, whose slope is the mean of the wide buckets' own slopes,
+  each weighed by how often it was measured: neighbouring buckets measured
+  on a noisy moment may come out equal, and interpolated they would price
+  the rows between as free; weighed by their counts, the widths a run
+  verifies decide the slope. A bucket measured again moves by ``ALPHA``
+  towards the new figure, so the estimate follows the context growing and
+  the machine getting busier.
 - ``head`` is the time of one MTP head forward by the sequences it feeds,
   the same way, measured as the run's calls to the drafter take it (its
   Python and reads included); ``other_s`` the rest of a step (sampling,
@@ -34,36 +28,24 @@ Contract:
   it, one running figure.
 - ``held_row_s``: what a row held back while a chain rested adds to the
   head forward that takes it (``observe_held``: what such a forward took
-  beyond ``head``'s figure for its feeds, per held row), one running
-  figure, calibrated with the head: a head call feeding its widest count
-  of sequences ``HELD_CALIBRATION_ROWS`` rows each, beyond the same call
-  feeding them one row each, per row. Priced as a feed of its own in the
-  widest head forward (dearer than it is: that feed also reads a draft's
-  logits) until measured, it was never measured where it mattered: at 16
-  sequences no chain whose prompt was held could repay it at that price,
-  so none started, and no catch-up ever ran to measure one. The figure is
-  seconds over rows, both summed and decayed by ``ALPHA`` a call, the
-  calibration counting as the rows it measured: a catch-up of 800 rows
-  tells more than one of 10, whose few rows carry the call's own noise.
-  Moved like a bucket, each call by ``ALPHA`` and at most ``SPIKE`` times
-  the estimate, it could not climb back once low: with a stored 5.7 us a
-  row, catch-ups of 400-800 rows at 32-43 us each moved it by 15% a call,
-  a run stored what it reached, and on 16 lines of prose every look and
-  start was priced at a seventh of what it took (they took 2-4% of the
-  run).
+  beyond ``head``'s figure for its feeds, per held row), calibrated with the
+  head (a call feeding its widest count of sequences
+  ``HELD_CALIBRATION_ROWS`` rows each, beyond the same call feeding one row
+  each). The figure is seconds over rows, both summed and decayed by
+  ``ALPHA`` a call, the calibration counting as the rows it measured, so a
+  catch-up of many rows weighs more than one of a few, whose rows carry the
+  call's own noise, and a low figure climbs back.
 - ``calibrate`` warm-starts ``verify`` from a few forwards at chosen widths,
   and, when the run has a head, ``head`` from a few drafter calls feeding 1,
-  2, 4... sequences a row each. Without that, a run whose chains rest from
-  the start never measured the head (forwards that feed held rows are not
-  measured: they are dearer than a step's own), priced it at nothing, and
-  could not tell that no chain pays where a verify row costs about a token.
-  A cache lacking either table is measured again whole; a run with no head
-  keeps the head's stored figures, so its ``save`` does not drop them.
-  ``CostCache`` keeps the result in ``METRALE_HOME`` under a key naming the
-  model, its weights, device, dtype and thread count, so a later run on the
-  same set-up starts from it without running them, and a run with another
-  thread count or dtype does not reuse it. A run stores its costs again as
-  it ends (``save``), so a calibration taken on a busy moment heals.
+  2, 4... sequences a row each: a run whose chains rest from the start
+  would otherwise never measure the head. A cache lacking either table is
+  measured again whole; a run with no head keeps the head's stored figures,
+  so its ``save`` does not drop them. ``CostCache`` keeps the result in
+  ``METRALE_HOME`` under a key naming the model, its weights, device, dtype
+  and thread count, so a later run on the same set-up starts from it, and a
+  run with another thread count or dtype does not reuse it. A run stores its
+  costs again as it ends (``save``), so a calibration taken on a busy moment
+  heals.
 """
 
 from __future__ import annotations
@@ -78,6 +60,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from metrale.engine.api import Request, SamplingParams
+from metrale.engine.runtime.model import Segment
+from metrale.engine.sequence import SeqState
+from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 
 # How far a new measurement moves its bucket's estimate, and the most a
 # single one counts for, as a multiple of the estimate.
@@ -406,3 +396,48 @@ class CostCache:
             partial.replace(self.path)
         except OSError:
             pass
+
+
+def calibrate_model(
+    costs: CostModel, model: Any, drafter: MtpDrafter | None, slots: int, max_len: int
+) -> None:
+    """Warm-starts ``costs`` from its cache, or from verifies of 1..64 rows at
+    the start of free slots (a later prefill writes those positions anew) and
+    head forwards feeding 1..16 of those slots a row each (a later feed
+    writes them anew too). Only before a run, while no request holds a slot.
+    One sequence's widths fit one slot; wider ones are spread as a batch
+    would be."""
+
+    def forward(rows: int) -> None:
+        spread = 1 if rows <= 9 else min(slots, rows)
+        width = -(-rows // spread)
+        segments, left = [], rows
+        for slot in range(spread):
+            take = min(width, left)
+            if take:
+                segments.append(Segment(slot, 0, [0] * take))
+            left -= take
+        model.forward(segments, logits="all").logits.argmax(dim=-1).tolist()
+
+    head: Callable[[int, int], int] | None = None
+    if drafter is not None:
+        seqs: list[SeqState] = []
+        rows: list[torch.Tensor] = []  # [slots, hidden_size]: the rows fed, made once
+
+        def head(count: int, each: int) -> int:
+            """A head call feeding ``count`` slots ``each`` rows from their
+            start, one draft each, through the drafter as a run calls it (more
+            than a row: as a catch-up hands over held rows); the forwards it ran."""
+            if not seqs:  # only when the costs are not read from the cache
+                segments = [Segment(slot, 0, [0]) for slot in range(slots)]
+                rows.append(model.forward(segments, logits="last").hidden)
+                request = Request("calibration", (0,), SamplingParams(max_tokens=1))
+                for slot in range(slots):
+                    seqs.append(SeqState(request, slot, max_len, frozenset(), None, None))
+            feeds = [DraftFeed(seq, 0, [0] * each, 1) for seq in seqs[:count]]
+            hidden = rows[0][:count].repeat_interleave(each, dim=0)
+            before = drafter.forwards
+            drafter.feed_and_draft(feeds, hidden)
+            return drafter.forwards - before
+
+    costs.calibrate(forward, min(4 * slots, max_len - 1), (head, slots) if head else None)

@@ -93,7 +93,7 @@ class DraftFeed:
 
     def scored_rows(self) -> range:
         """The rows (0-based in the feed) whose first draft is scored: the
-        last ``scored`` before the last row that predict a token the line
+        last ``scored`` before the last row that predict a token the sequence
         wrote (row ``j`` predicts token ``start + j + 2``, ``next_ids[j + 1]``;
         a prompt token is the user's text, not the model's)."""
         last = len(self.next_ids) - 1

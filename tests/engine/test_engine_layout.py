@@ -59,7 +59,11 @@ def test_the_kernels_load_nothing_of_the_runtime() -> None:
 
 
 def test_the_loop_and_its_draft_sources_load_no_bench_train_or_cli_module() -> None:
-    loop = ["metrale.engine.engine", *modules_of("metrale.engine.spec")]
+    loop = [
+        "metrale.engine.engine",
+        *modules_of("metrale.engine.step"),
+        *modules_of("metrale.engine.spec"),
+    ]
     loaded = loaded_after_importing([*loop, *modules_of("metrale.engine.load")])
     assert under(loaded, "metrale.engine.bench", "metrale.engine.train", "metrale.cli") == set()
     assert under(loaded, "typer", "rich") == set()
@@ -68,7 +72,7 @@ def test_the_loop_and_its_draft_sources_load_no_bench_train_or_cli_module() -> N
 def test_no_engine_module_imports_typer_or_rich() -> None:
     every = [
         m
-        for package in ("bench", "kernels", "load", "runtime", "spec", "train")
+        for package in ("bench", "kernels", "load", "runtime", "spec", "step", "train")
         for m in modules_of(f"metrale.engine.{package}")
     ]
     top = [

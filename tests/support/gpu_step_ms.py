@@ -28,12 +28,12 @@ from typing import Any, cast
 
 import torch
 
-from metrale.engine.device_step import MAX_WIDTH, StaticStep
 from metrale.engine.load.checkpoint import _arch_spec, family_config
 from metrale.engine.runtime.arch import CheckpointError
 from metrale.engine.runtime.kv_cache import SlotKVCache
 from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.weights import WeightStore
+from metrale.engine.step.device_verify import MAX_WIDTH, StaticStep
 
 BANDWIDTH = 4.3e12  # bytes/s: an H200's device-to-device copy as measured there
 

@@ -21,6 +21,7 @@ from metrale.engine.load.loader import load_model
 from metrale.engine.prompts import user_prompt_ids
 from metrale.engine.runtime.model import ForwardOutput, MtpLogitRows, Segment
 from metrale.engine.sequence import SeqState
+from metrale.engine.spec.auto import AutoPolicy
 from metrale.engine.spec.budget import (
     RUN_DECAY,
     SCORED_ROWS,
@@ -434,8 +435,8 @@ def test_a_head_forward_scores_the_rows_of_one_chain_that_rested_and_nothing_cha
         return forward(segments, hidden, logits)
 
     head.forward = recorded  # type: ignore[method-assign]
-    budget = engine._budget
-    assert budget is not None
+    assert isinstance(engine.policy, AutoPolicy)
+    budget = engine.policy.budget
     reads: list[tuple[bool, float]] = []
     score_fed = budget.score_fed
 
@@ -987,7 +988,7 @@ def test_the_cost_model_predicts_the_steps_it_measures() -> None:
 def test_the_budget_figures_are_published_at_most_so_often_and_whole_at_the_end(
     every_s: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("metrale.engine.engine._BUDGET_PUBLISH_S", every_s)
+    monkeypatch.setattr("metrale.engine.spec.auto.PUBLISH_EVERY_S", every_s)
     engine, _ = costed_engine("cpu", mtp_mode="right", lookup=LOOKUP)
     reqs = [Request(str(i), tuple(p), SamplingParams(max_tokens=40)) for i, p in enumerate(PROMPTS)]
     during = []

@@ -1,6 +1,6 @@
 """The device step: verify, acceptance and the MTP chain with one upload and one readback.
 
-Contract: ``DeviceStep.run(rows)`` takes each decoding sequence's verify row
+Contract: ``DeviceVerify.run(rows)`` takes each decoding sequence's verify row
 (``[last_token] + drafts`` at ``seq_len``, in its slot) and does, on the
 model's device and with no host read in between: one non-blocking upload of
 every input from a pinned buffer; the static forward of slots ``0..B-1`` at
@@ -71,14 +71,14 @@ from metrale.engine.spec.device_accept import (
 MAX_WIDTH = HEADROOM
 
 
-def device_step_for(model: Any, mtp: Sequence[Any], config: EngineConfig) -> DeviceStep | None:
+def device_verify_for(model: Any, mtp: Sequence[Any], config: EngineConfig) -> DeviceVerify | None:
     """The device step when ``config.step_path`` asks for it ("device"), or
     by default on CUDA for a model it can run; ``ValueError`` naming why
     when asked for a model it cannot run."""
     path = config.step_path
     if path == "host" or (path == "auto" and model.device.type != "cuda"):
         return None
-    problem = device_step_problem(model, mtp)
+    problem = device_verify_problem(model, mtp)
     if problem is not None:
         if path == "device":
             raise StepPathError(f"step_path: device cannot run this model: {problem}")
@@ -87,7 +87,7 @@ def device_step_for(model: Any, mtp: Sequence[Any], config: EngineConfig) -> Dev
     # A MoE block whose experts cannot run grouped here reads its routing
     # counts on the host, every layer: such a step is not capturable.
     capturable = model.prepare_static() and (module is None or module.prepare_static())
-    return DeviceStep(
+    return DeviceVerify(
         model,
         module,
         num_slots=min(model.num_slots, config.max_batch),
@@ -97,7 +97,7 @@ def device_step_for(model: Any, mtp: Sequence[Any], config: EngineConfig) -> Dev
     )
 
 
-def device_step_problem(model: Any, mtp: Sequence[Any]) -> str | None:
+def device_verify_problem(model: Any, mtp: Sequence[Any]) -> str | None:
     """Why the device step cannot run ``model`` with ``mtp``; None when it can."""
     spec = getattr(model, "spec", None)
     if spec is None or not hasattr(model, "forward_static"):
@@ -198,7 +198,7 @@ class StaticStep:
         return logits, hidden
 
 
-class DeviceStep:
+class DeviceVerify:
     """Buffers, graphs and the step itself (module doc)."""
 
     def __init__(
@@ -211,7 +211,7 @@ class DeviceStep:
         min_prob: float,
         graphs: bool,
     ) -> None:
-        assert model.headroom >= MAX_WIDTH, "device_step_for checks the headroom"
+        assert model.headroom >= MAX_WIDTH, "device_verify_for checks the headroom"
         self.model, self.module = model, module
         self.device = model.device
         self.num_slots = num_slots

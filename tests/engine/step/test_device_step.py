@@ -20,11 +20,11 @@ import torch
 
 from metrale.engine.api import Grammar, Request, SamplingParams
 from metrale.engine.config import EngineConfig
-from metrale.engine.device_step import MAX_WIDTH
 from metrale.engine.engine import Engine
 from metrale.engine.load.checkpoint import read_checkpoint
 from metrale.engine.runtime.mtp import detect_mtp, load_checkpoint_mtp
 from metrale.engine.runtime.syncs import count_syncs
+from metrale.engine.step.device_verify import MAX_WIDTH
 from tests.support.checkpoints import (
     EOS_ID,
     build_runtime,
@@ -109,16 +109,16 @@ def _drafts_by_position(
 ) -> dict[tuple[str, int], list[int]]:
     """The MTP drafts each verify checked, by (request, seq_len)."""
     seen: dict[tuple[str, int], list[int]] = {}
-    verify = engine._verify_on_device if engine.step_path == "device" else engine._verify
+    step = engine._path
+    verify = step._verify  # type: ignore[attr-defined]
 
-    def traced(batch: Any) -> Any:
+    def traced(batch: Any, *rest: Any) -> Any:
         for seq in batch:
             if seq.pending_drafts:
                 seen[(seq.request.request_id, seq.seq_len)] = list(seq.pending_drafts)
-        return verify(batch)
+        return verify(batch, *rest)
 
-    name = "_verify_on_device" if engine.step_path == "device" else "_verify"
-    setattr(engine, name, traced)
+    step._verify = traced  # type: ignore[attr-defined]
     list(engine.generate(requests))
     return seen
 
@@ -144,11 +144,11 @@ def test_one_readback_and_no_blocking_upload_per_decode_step(
     checkpoints: dict[str, Path],
 ) -> None:
     engine = _engine(checkpoints["mimo"], "device")
-    engine._waiting.extend(_requests(4, SamplingParams(max_tokens=16), repeat=True))
+    engine._queues.waiting.extend(_requests(4, SamplingParams(max_tokens=16), repeat=True))
     engine._step()  # admission and prefill: every prompt fits one chunk
-    assert not engine._prefilling
+    assert not engine._queues.prefilling
     counts: list[tuple[int, int]] = []
-    while engine._decoding:
+    while engine._queues.decoding:
         with count_syncs() as syncs:
             engine._step()
         counts.append((syncs.readbacks, syncs.uploads))
@@ -159,9 +159,9 @@ def test_one_readback_and_no_blocking_upload_per_decode_step(
 
 def test_a_prefill_step_reads_back_once_too(checkpoints: dict[str, Path]) -> None:
     engine = _engine(checkpoints["llama"], "device")
-    engine._waiting.extend(_requests(2, SamplingParams(max_tokens=8)))
+    engine._queues.waiting.extend(_requests(2, SamplingParams(max_tokens=8)))
     engine._step()  # prefill of both prompts
-    engine._waiting.extend(_requests(3, SamplingParams(max_tokens=8))[2:])
+    engine._queues.waiting.extend(_requests(3, SamplingParams(max_tokens=8))[2:])
     with count_syncs() as syncs:
         engine._step()  # the third prompt's prefill beside the others' verify
     assert syncs.by_kind["readback"] == 1
@@ -281,10 +281,10 @@ def test_a_moe_decode_step_reads_back_once_too(
     else:
         path = write_moe_checkpoint(tmp_path_factory.mktemp(family), family)
     engine = _engine(path, "device")
-    engine._waiting.extend(_requests(3, SamplingParams(max_tokens=12), repeat=True))
+    engine._queues.waiting.extend(_requests(3, SamplingParams(max_tokens=12), repeat=True))
     engine._step()
     counts = []
-    while engine._decoding:
+    while engine._queues.decoding:
         with count_syncs() as syncs:
             engine._step()
         counts.append((syncs.readbacks, syncs.uploads))

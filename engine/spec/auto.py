@@ -1,0 +1,317 @@
+"""The cost-aware draft policy (``--draft-policy auto``): every source offers
+its drafts, the budget (``budget.py``) picks one source and a prefix per
+sequence, and after the verify every offer is scored.
+
+Contract: ``AutoPolicy`` is a ``DraftPolicy`` (``policy.py``); the step calls
+it at the same points as the fixed policy, and it keeps the fixed rule's
+invariants:
+- A copy is never longer than ``PromptLookupConfig.max_drafts``, the slot's
+  draft capacity, nor, in a batch of two or more, 3 tokens; an MTP chain
+  never longer than the ladder's longest; copies are off when more than
+  ``max_seqs`` sequences run.
+- Every copy proposed is either verified, marked in flight at the length the
+  plan chose and settled by ``copies.settle_copies`` in the same step, or
+  abandoned before the verify.
+- A verified copy leaves the MTP drafter told that none of its drafts were
+  accepted (``copies.drafter_accepted``): the rows were not its drafts.
+- A grammar's forced drafts are always verified, first; the chosen drafts
+  follow them, and ``check_drafts`` then cuts at the first forbidden one.
+
+A sequence's own copies come from the longest agreement
+(``PromptLookupSeq(longest=True)``): the earlier occurrence of its last
+token whose preceding tokens agree longest with its own, however short,
+offered up to the copy caps without the fixed rule's window and cooldown;
+the plan prices each copy by its agreement instead.
+
+The head: a sequence whose chain is not worth the head forward rests and
+holds its verified rows; the head takes them all, in order, when it drafts
+for it again (``DraftBudget.wants_chain``). The drain: once the stream has
+ended and nothing waits, a sequence that would finish before the slowest
+one even without drafts verifies no MTP draft (``sequences_ahead``).
+Whether a sequence drafts depends only on what was emitted before the step,
+never on a draw, so sampled output stays exact.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from metrale.engine.config import MtpLadder
+from metrale.engine.sequence import SeqState
+from metrale.engine.spec.budget import HOLD_MAX, SCORED_ROWS, Candidates, DraftBudget, tokens_left
+from metrale.engine.spec.copies import (
+    CopyTaken,
+    bucket_width,
+    copy_path_cap,
+    propose_copy,
+    slot_copy_cap,
+)
+from metrale.engine.spec.cost import CostModel, calibrate_model
+from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
+from metrale.engine.spec.policy import Feed
+from metrale.engine.stats import BudgetStats
+from metrale.lookup import PromptLookupConfig, SharedLookup
+
+if TYPE_CHECKING:
+    from metrale.engine.step import Queues, StepTimes
+
+# The budget's figures in the stats snapshot are worked out at most this
+# often while a run goes on (and whenever it ends): a viewer redraws a few
+# times a second, and the figures cost more than a step's bookkeeping.
+PUBLISH_EVERY_S = 0.2
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a sequence was offered this step, for scoring after the verify."""
+
+    seq: SeqState
+    source: str  # "mtp", "copy" or "none"
+    drafts: int  # of the chosen source
+    chain: list[int]
+    copy: list[int]
+    agreement: int  # the copy's agreement (``PromptLookupSeq.agreement``)
+
+
+def take_planned_drafts(
+    batch: Sequence[SeqState],
+    budget: DraftBudget,
+    cfg: PromptLookupConfig | None,
+    shared: SharedLookup | None,
+    ahead: set[int] | frozenset[int] = frozenset(),
+) -> tuple[list[CopyTaken], list[Offer]]:
+    """Sets each sequence's drafts to the plan's choice (module doc); the
+    sequences whose slots are in ``ahead`` get no MTP draft. Runs after
+    ``take_forced`` and before ``check_drafts``."""
+    copies_on = cfg is not None and len(batch) <= cfg.max_seqs
+    path_cap = copy_path_cap(cfg, len(batch)) if cfg is not None else 0
+    candidates: list[Candidates] = []
+    for seq in batch:
+        own = budget.for_seq(seq)
+        # A forced run that matched the chain's first drafts stands in their
+        # place (``take_forced``): the chain's keys move past them too.
+        offset = len(seq.forced_drafts) if seq.forced_drafts and seq.pending_drafts else 0
+        own.chain_keys = own.chain_keys[offset : offset + len(seq.pending_drafts)]
+        chain = list(seq.pending_drafts[: len(own.chain_keys)])
+        copy = None
+        if seq.slot in ahead:
+            chain = []
+        if copies_on and cfg is not None:
+            copy = propose_copy(seq, cfg, shared, path_cap, 0, longest=True)
+        sure = 1 + len(seq.forced_drafts)
+        agreement = seq.prompt_lookup.agreement if copy and seq.prompt_lookup else 0
+        candidates.append(Candidates(seq, sure, chain, copy or [], agreement))
+    picked = budget.plan(candidates)
+    took: list[CopyTaken] = []
+    offers: list[Offer] = []
+    for c, (source, n) in zip(candidates, picked, strict=True):
+        seq, lookup = c.seq, c.seq.prompt_lookup
+        if source == "copy":
+            assert lookup is not None
+            lookup.cut_in_flight(n)
+            seq.set_drafts(c.copy[:n], None)
+            took.append(CopyTaken(seq, seq.seq_len + len(seq.forced_drafts)))
+        else:
+            if c.copy and lookup is not None:
+                lookup.abandon()
+            probs = seq.pending_probs
+            seq.set_drafts(c.chain[:n], probs[:n] if probs is not None and n else None)
+        offers.append(Offer(seq, source, n, c.chain, c.copy, c.agreement))
+    return took, offers
+
+
+def peek_copy(seq: SeqState, cfg: PromptLookupConfig | None, running: int) -> tuple[int, int]:
+    """``(length, agreement)`` of the copy ``seq`` would be offered next
+    with ``running`` sequences, without proposing it (``PromptLookupSeq.peek``);
+    ``(0, 0)`` where copies are off, under a grammar (its forced run comes
+    first), or before the sequence's lookup exists."""
+    lookup = seq.prompt_lookup
+    if cfg is None or running > cfg.max_seqs or lookup is None or seq.grammar is not None:
+        return 0, 0
+    length, agreement = lookup.peek(
+        seq.history, slot_copy_cap(seq, cfg, copy_path_cap(cfg, running))
+    )
+    return bucket_width(length) if length else 0, agreement
+
+
+def sequences_ahead(decoding: Sequence[SeqState], prefilling: Sequence[SeqState]) -> set[int]:
+    """The slots of the ``decoding`` sequences that would finish before the
+    slowest one, ``prefilling`` ones included, without another draft (module
+    doc: the drain): those whose tokens left are fewer than the steps the
+    slowest still needs (its tokens left over the tokens a verify has made it
+    so far); none while a single sequence is left."""
+    seqs = [*decoding, *prefilling]
+    if len(seqs) < 2:
+        return set()
+    slowest = max(tokens_left(s) / max(_tokens_a_verify(s), 1.0) for s in seqs)
+    return {s.slot for s in decoding if tokens_left(s) < slowest}
+
+
+def _tokens_a_verify(seq: SeqState) -> float:
+    stats = seq.stats
+    return stats.verify_tokens / stats.verifies if stats.verifies else 1.0
+
+
+def score_offers(
+    budget: DraftBudget, offers: Sequence[Offer], produced: dict[int, list[int]]
+) -> None:
+    """Scores each offer after the verify. ``produced[slot]``: the tokens the
+    sequence's verify produced after its forced run (the accepted drafts and
+    the bonus token: the model's own token at every position it reached). A
+    greedy offer is scored against them whatever was verified; a sampled one
+    only on what it verified."""
+    for offer in offers:
+        seq = offer.seq
+        tokens = produced.get(seq.slot)
+        if tokens is None:
+            continue
+        if seq.request.params.greedy:
+            budget.observe(seq, tokens, offer.chain, offer.copy, offer.agreement)
+        elif offer.source != "none":
+            budget.observe_counts(seq, offer.source, offer.drafts, len(tokens) - 1, offer.agreement)
+
+
+class AutoPolicy:
+    """The draft budget as a ``DraftPolicy`` (module doc)."""
+
+    name = "auto"
+
+    def __init__(
+        self,
+        ladder: MtpLadder,
+        lookup: PromptLookupConfig | None,
+        shared: SharedLookup | None,
+        costs: CostModel | None = None,
+    ) -> None:
+        self.budget = DraftBudget(costs or CostModel())
+        self.lookup, self.shared = lookup, shared
+        # Any chain may be as long as the ladder's longest: the plan cuts it.
+        self._chain_cap = ladder.longest
+        self._offers: list[Offer] = []
+        self._ahead: set[int] = set()  # slots of the sequences ahead in a drain, this step
+        self._released = 0  # held rows fed to the head this step
+        self._scoring = 0  # rows scored in this step's head forward
+        self._snapshot: BudgetStats | None = None
+        self._published = 0.0
+
+    @property
+    def costs(self) -> CostModel:
+        return self.budget.costs
+
+    def clock(self) -> float:
+        return self.costs.clock()
+
+    def make_drafter(self, modules: Sequence[Any], min_prob: float) -> MtpDrafter:
+        return MtpDrafter(list(modules), min_prob, self.budget)
+
+    def chain_cap(self, running: int) -> int:
+        return self._chain_cap
+
+    def chain_len(self, seq: SeqState, running: int) -> int:
+        return min(self._chain_cap, seq.draft_capacity())
+
+    def take_drafts(self, batch: list[SeqState], queues: Queues) -> list[CopyTaken]:
+        ahead = self._drain(batch, queues)
+        took, self._offers = take_planned_drafts(
+            batch, self.budget, self.lookup, self.shared, ahead
+        )
+        return took
+
+    def verified(self, times: StepTimes) -> None:
+        self.costs.verify.observe(times.verify_rows, times.verify_s)
+        score_offers(self.budget, self._offers, times.produced)
+
+    def prompt_feed(
+        self,
+        seq: SeqState,
+        start: int,
+        next_ids: list[int],
+        rows: torch.Tensor,  # [len(next_ids), hidden_size]
+        complete: bool,
+        queues: Queues,
+    ) -> Feed | None:
+        """A prefill chunk's feed, drafting once the prompt is complete. A
+        prompt of up to ``HOLD_MAX`` tokens is held until the chain first
+        drafts: where drafts do not pay, the head never reads the prompts of
+        the sequences whose chains never run."""
+        budget = self.budget
+        if seq.prompt_len <= HOLD_MAX:
+            own = budget.for_seq(seq)
+            # Every sequence admitted shares the steps to come, those whose
+            # prompts are still being read too.
+            live = queues.running() + len(queues.prefilling)
+            ahead = complete and seq.slot in self._drain([*queues.decoding, seq], queues)
+            if not complete or not budget.wants_chain(seq, max(live, 1), ahead):
+                own.hold(start, next_ids, rows)
+                return None
+            start, next_ids, rows = own.release(start, next_ids, rows)
+        num_drafts = self.chain_len(seq, 0) if complete else 0
+        return DraftFeed(seq, start, next_ids, num_drafts), rows
+
+    def before_head(self, batch: Sequence[SeqState], queues: Queues) -> None:
+        """Chooses the chains worth this step's head forward together."""
+        self._ahead = self._drain(batch, queues)
+        self._released = self._scoring = 0
+        seqs = [s for s in batch if not s.finished and s.slot not in self._ahead]
+        self.budget.share_head(seqs, queues.running())
+
+    def head_feed(
+        self,
+        seq: SeqState,
+        start: int,
+        next_ids: list[int],
+        rows: torch.Tensor,  # [len(next_ids), hidden_size]
+        running: int,
+    ) -> Feed | None:
+        """A resting chain's rows wait; a drafting one takes them all, and a
+        greedy one scores what it would have drafted at the rows it held."""
+        budget = self.budget
+        own = budget.for_seq(seq)
+        if not budget.wants_chain(seq, running, seq.slot in self._ahead):
+            own.hold(start, next_ids, rows)
+            return None
+        scored = 0
+        if own.held_rows() and seq.request.params.greedy and not self._scoring:
+            scored = self._scoring = SCORED_ROWS  # one a forward: those rows' logits cost
+        self._released += own.held_rows()
+        start, next_ids, rows = own.release(start, next_ids, rows)
+        length, agreement = peek_copy(seq, self.lookup, running)
+        budget.rival_copy(seq, length, agreement)
+        return DraftFeed(seq, start, next_ids, self.chain_len(seq, running), scored), rows
+
+    def head_ran(self, feeds: Sequence[DraftFeed], forwards: int, seconds: float) -> None:
+        self.budget.head_ran(forwards)
+        if forwards and self._released:
+            self.costs.observe_held(self._released, len(feeds), forwards, seconds)
+        elif forwards:
+            self.costs.head.observe(len(feeds), seconds / forwards)
+
+    def end_step(self, times: StepTimes) -> None:
+        if times.verify_s > 0:
+            measured = self.clock() - times.began - times.prefill_s
+            self.budget.end_step(measured, times.verify_s, times.head_s)
+
+    def calibrate(self, model: Any, drafter: MtpDrafter | None, slots: int, max_len: int) -> None:
+        if not self.costs.calibrated:
+            calibrate_model(self.costs, model, drafter, slots, max_len)
+
+    def save(self) -> None:
+        self.costs.save()
+
+    def snapshot(self, final: bool = False) -> BudgetStats | None:
+        now = time.perf_counter()
+        if final or self._snapshot is None or now - self._published >= PUBLISH_EVERY_S:
+            self._snapshot, self._published = self.budget.snapshot(), now
+        return self._snapshot
+
+    def _drain(self, batch: Sequence[SeqState], queues: Queues) -> set[int]:
+        """The slots of the sequences that draft nothing this step: in a
+        drain, those ahead of the run's slowest (``sequences_ahead``)."""
+        if not queues.draining():
+            return set()
+        return sequences_ahead([s for s in batch if not s.finished], queues.prefilling)
