@@ -3,7 +3,7 @@
 Contract: the sample prompts (``--prompts`` lines of ``sample_prompts/``,
 cycled) go through the default model twice with the same flags: once through
 one process's engine (torch's threads: all cores), then through ``--ray local
---ray-workers N`` (the cores shared out, one torch thread each on 2 cores).
+--ray-workers N`` (the cores shared out between the workers as torch threads).
 Printed: tokens, the throughput by the engines' own clocks (model loading
 excluded on both sides, as ``metrale generate`` reports it), the wall time
 of the whole generation call (on Ray: starting the actors included), and Ray

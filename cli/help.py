@@ -14,7 +14,7 @@ left at Rich's defaults: every column may wrap, and a word too long for its
 cell is cut with an ellipsis. When the rows are wider than the panel (80
 columns, which is also what Rich assumes on a pipe), Rich narrows the widest
 columns in turn, the names among them, so ``--prompt-lookup-max-drafts`` and
-``--prompt-lookup-max-seqs`` both came out as ``--prompt-lookup-max-…``.
+``--prompt-lookup-max-seqs`` both read ``--prompt-lookup-max-…``.
 Keeping that table's name columns whole leaves its help column a few
 characters wide, so the layout itself has to change.
 """

@@ -245,9 +245,9 @@ MtpMinProbOpt = Annotated[
 
 class DraftPolicy(enum.StrEnum):
     """``auto``: each step sizes every sequence's drafts, and picks their
-    source, by the verify cost measured on this machine and the acceptance
-    seen so far (``engine/spec/budget.py``); ``fixed``: the MTP ladder and
-    the copy windows decide, as before the budget existed."""
+    source, by the verify cost the run measures where it runs and the
+    acceptance seen so far (``engine/spec/budget.py``); ``fixed``: the MTP
+    ladder and the copy windows decide."""
 
     auto = "auto"
     fixed = "fixed"
@@ -268,7 +268,7 @@ class StepPath(enum.StrEnum):
     """``auto``: the device step on CUDA, the host step on the CPU;
     ``device``: each step's verify, acceptance and MTP chain as device tensor
     ops with one readback (forced on the CPU it runs the GPU's code there);
-    ``host``: the step that decides on the host (``engine/device_step.py``)."""
+    ``host``: the step that decides on the host (``engine/step/host.py``; the device one is ``engine/step/device.py``)."""
 
     auto = "auto"
     device = "device"

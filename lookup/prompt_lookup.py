@@ -91,15 +91,14 @@ class PromptLookupSeq:
     the copy follows the earlier occurrence of the last token whose
     preceding tokens agree longest with the history's own, however short
     the agreement, and ``agreement`` says how long it was: the budget prices
-    a copy by it (a copy that agrees on 2 tokens is right about half as
-    often as one that agrees on 8 or more), so the n-gram, ``min_match``
-    and the miss cooldown, which guard a fixed rule against copies that
-    keep failing, do not apply; the fallback is still asked whenever the
-    own match agrees on fewer than ``min_match`` tokens. Example: in
-    ``[1, 2, 9, 5, 2, 8, 1, 2]`` the last token 2 follows ``1`` at position
-    1 and ``5`` at position 4; the first agrees on 2 tokens, so the copy is
-    ``[9, 5, 2, ...]`` with ``agreement`` 2 (the latest-occurrence rule,
-    ngram 1, would copy ``[8, 1, 2]``).
+    a copy by it (a copy that agrees on more tokens is right more often), so
+    the n-gram, ``min_match`` and the miss cooldown, which guard a fixed rule
+    against copies that keep failing, do not apply; the fallback is still
+    asked whenever the own match agrees on fewer than ``min_match`` tokens.
+    Example: in ``[1, 2, 9, 5, 2, 8, 1, 2]`` the last token 2 follows ``1``
+    at position 1 and ``5`` at position 4; the first agrees on 2 tokens, so
+    the copy is ``[9, 5, 2, ...]`` with ``agreement`` 2 (the
+    latest-occurrence rule, ngram 1, would copy ``[8, 1, 2]``).
     """
 
     def __init__(self, cfg: PromptLookupConfig, longest: bool = False) -> None:

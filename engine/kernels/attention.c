@@ -11,16 +11,13 @@
  * over cache positions j in [max(0, p - window + 1), p] (window 0: all of
  * them). Cache layout: [slots, kv_heads, max_len, D], as kv_cache.py keeps it.
  *
- * Why: a batched step used to pad every sequence to the longest one and
- * mask, so each read the longest sequence's cache length, in small matrix
- * products that never reach the memory bus's speed. Here each query row
- * reads only its own sequence's positions: its scores four keys at a time,
- * the softmax with a vector exp (exp8, within 2 ulp of expf), and the
- * weighted sum of values in registers. A task is a (sequence, kv head) with
- * its query heads, or a (sequence, query head) when there are too few of
- * those for the threads. (Before, scalar expf, an output load and store per
- * position, and 3 tasks on 2 threads at batch 1 made a 9-row verify over 300
- * positions take 478 us a layer; now 150.)
+ * Why: padding every sequence to the longest one and masking would make each
+ * read the longest sequence's cache length, in small matrix products that
+ * never reach the memory bus's speed. Here each query row reads only its own
+ * sequence's positions: its scores four keys at a time, the softmax with a
+ * vector exp (exp8, within 2 ulp of expf), and the weighted sum of values in
+ * registers. A task is a (sequence, kv head) with its query heads, or a
+ * (sequence, query head) when there are too few of those for the threads.
  *
  * Batch invariance: a query's result depends only on its own segment, and
  * every sum runs in a fixed order set by the query's own positions, so a

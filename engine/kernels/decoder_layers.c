@@ -1,7 +1,7 @@
 /*
  * A decode or verify forward through every decoder layer in one call: the
  * kernels of packed_linear.c, attention.c and layer_ops.c in the order
- * metrale/engine/llama.py calls them one by one.
+ * metrale/engine/runtime/llama.py calls them one by one.
  *
  * Contract: x [rows, hidden] is the residual stream, updated in place. For
  * each layer l, table[l] holds the addresses and formats below (written once

@@ -10,9 +10,9 @@
  * writes to model.safetensors: the model is the same, only fewer bytes cross
  * the memory bus.
  *
- * Layout (metrale/engine/packed.py writes it): the weight's rows are taken
- * 64 at a time (a group; the last one padded with zero rows), a group's 8
- * strips of 8 rows each; within a strip, each block of 32 columns is stored
+ * Layout (metrale/engine/runtime/packed.py writes it): the weight's rows are
+ * taken 64 at a time (a group; the last one padded with zero rows), a group's
+ * 8 strips of 8 rows each; within a strip, each block of 32 columns is stored
  * column-major, so that one 8-wide load decodes column k of eight rows:
  *   Q4_1: 16 x 8 bytes, byte [j][n] = q[n][j] | q[n][j + 16] << 4, and the
  *         scales d[8] then m[8];
@@ -55,8 +55,9 @@
  * prefill chunk's work (a one-row step, bound by the decode and the memory
  * bus, gains little). Every lane does what an 8-wide lane does, the same
  * decode and the same FMA chain in ascending k, so a library built with
- * AVX-512 and one built without give the same bits (tests/test_packed.py
- * builds both). A strip left over from the pairs takes the 8-wide code.
+ * AVX-512 and one built without give the same bits (a test builds both,
+ * through binding.kernel_built_with). A strip left over from the pairs takes
+ * the 8-wide code.
  *
  * Built on first use by metrale/engine/kernels/binding.py with the system C
  * compiler (-O3 -march=native -fopenmp -ffp-contract=off: no fused

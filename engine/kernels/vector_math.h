@@ -1,6 +1,6 @@
 /*
  * Vector maths the kernels share (included by attention.c and layer_ops.c
- * after they define METRALE_AVX2; packed_kernel.py hashes this file with the
+ * after they define METRALE_AVX2; binding.py hashes this file with the
  * sources, so a change here rebuilds the library).
  */
 #ifndef METRALE_VECTOR_MATH_H

@@ -3,8 +3,8 @@
 Contract: ``ensure_default_model()`` returns a HF-style checkpoint folder
 (``config.json``, ``generation_config.json``, ``model.safetensors``, tokenizer
 files with the chat template) under ``$METRALE_HOME`` (default
-``~/.cache/metrale``). The first call converts the GGUF once (about half a
-minute on 2 cores); later calls find the folder's stamp and return at once.
+``~/.cache/metrale``). The first call converts the GGUF once; later calls
+find the folder's stamp and return at once.
 A conversion is written to a temporary folder and renamed into place, so an
 interrupted one never leaves a half folder that looks finished.
 
@@ -13,8 +13,9 @@ The GGUF is found through the distribution's file list, without importing
 The conversion is any GGUF's (``gguf_convert.py``): its Q4_1/Q8_0 weights are
 dequantized to float32, which holds them exactly, and also kept in their
 blocks in ``packed.safetensors`` (see ``packed.py``) for the CPU kernel, which
-reads a sixth of the bytes; llama.cpp's q/k permutation is undone. A folder
-converted before packed weights existed gets the file added on first use.
+reads a sixth of the bytes; llama.cpp's q/k permutation is undone. A
+converted folder whose ``packed.safetensors`` is missing or stale gets it
+written on first use.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
 
 
 def _add_packed(target: Path) -> None:
-    """Adds ``packed.safetensors`` to a folder converted before it existed (or
+    """Adds ``packed.safetensors`` to a converted folder that lacks it (or
     rewrites a stale one), through a temporary name so a reader never sees
     half a file. Best effort: a read-only home or a missing GGUF leaves the
     folder as it was, and the model runs dense."""

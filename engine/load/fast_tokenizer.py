@@ -15,8 +15,8 @@ in the sandboxed jinja2 environment transformers builds (``trim_blocks``,
 ``tojson`` that does not escape HTML, a ``dict`` and a ``namespace`` that
 refuse underscore names) with the special tokens as variables.
 
-Why: importing transformers costs a second of a one-line job's start-up and a
-good part of its memory, and a tokenizer is all the CLI needs from it there.
+Why: importing transformers is a large part of a one-line job's start-up
+time and memory, and a tokenizer is all the CLI needs from it there.
 """
 
 from __future__ import annotations

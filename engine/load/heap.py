@@ -8,7 +8,7 @@ frees nothing that is in use, so it changes no value, only the resident size.
 
 Why: loading leaves garbage that glibc keeps resident. Parsing
 ``tokenizer.json`` (``tokenizers``, in Rust, on the same allocator) touches
-about 30 MB it frees again, and decoding a packed weight into its tiles frees
+memory it frees again, and decoding a packed weight into its tiles frees
 the row-major copy it read. Once a freed block of some megabytes was mapped,
 glibc raises its mmap threshold, so later blocks of that size come from the
 heap, and what they free stays resident in holes that weights of other sizes

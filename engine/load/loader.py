@@ -22,8 +22,8 @@ its cache as it is built): every tensor the checkpoint stores (and a named
 head's) at the runtime dtype, FP8 ones dequantized. What the estimate leaves
 out (activations, the step's buffers and graphs, the allocator's slack) lives
 in the rest of the free memory. On the CPU without a budget: ``num_slots``
-slots of ``runtime.max_len`` or the context length, as before (capped by the
-older ``runtime.kv_budget_mb`` when set). ``ModelInfo.kv_limit`` says which
+slots of ``runtime.max_len`` or the context length (positions capped by
+``runtime.kv_budget_mb`` when set). ``ModelInfo.kv_limit`` says which
 of these made the shape what it is.
 """
 

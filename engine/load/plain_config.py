@@ -9,8 +9,8 @@ differs between transformers' classes is written in the file (so no default
 of metrale's can disagree with transformers'), and the RoPE is the default
 kind with no partial rotary; anything else goes to transformers.
 
-Why: transformers' config machinery is most of a one-line job's start-up, and
-a complete config.json of these families needs none of it.
+Why: transformers' config machinery is a large part of a one-line job's
+start-up, and a complete config.json of these families needs none of it.
 """
 
 from __future__ import annotations

@@ -9,10 +9,9 @@ hidden state ``h_p`` and the id of token ``p+1`` and predicts token ``p+2``:
     logits = lm_head(final_norm(y))  # embedding and LM head shared with the model
 
 A standalone head may name a draft vocabulary: its LM head then computes only
-those rows (the shipped head's 8,192 of the default model's 49,152 cost a
-sixth of the time, and the LM head is most of a small head's forward) and
-every other token gets logit -inf, so it is never drafted and has
-probability 0 in sampled drafts.
+those rows (the shipped head keeps 8,192 of the default model's 49,152, and
+the LM head is most of a small head's forward) and every other token gets
+logit -inf, so it is never drafted and has probability 0 in sampled drafts.
 Verification is unchanged, so output stays exactly the model's.
 
 ``y`` (pre-norm) is returned as the module's hidden state, so feeding it back

@@ -54,8 +54,8 @@ class TrainableHead(torch.nn.Module):
         gen = torch.Generator().manual_seed(seed)
         self.weights = torch.nn.ParameterDict()
         for name, shape in sorted(head_tensor_shapes(self.spec).items()):
-            # Norms start at one; starting the final norm at the model's own
-            # (larger) scale gave higher early losses in a trial on this model.
+            # Norms start at one, the final norm too rather than at the model's
+            # own (larger) scale, which trains worse early on.
             if name.endswith("norm.weight"):
                 value = torch.ones(shape)
             elif name.endswith(".bias"):

@@ -1,7 +1,7 @@
 """Self-distillation of one MTP head on a frozen model: cache, training loop, evaluation.
 
 Contract: ``train_mtp(model, sequences, config, work_dir)`` trains a
-``TrainableHead`` (``train_head.py``) so that, at position ``p``, its draft
+``TrainableHead`` (``head.py``) so that, at position ``p``, its draft
 matches the frozen model's own prediction for token ``p + 2``, i.e. the argmax
 of the model's logits at position ``p + 1``. The head therefore learns what
 verification will accept, not the corpus (on the model's own greedy output
@@ -10,7 +10,7 @@ the two coincide).
 - **Cache.** One forward of the frozen model per sequence gives the pre-norm
   hidden states ``h`` (stored in bfloat16) and the argmax targets; they are
   computed once, saved in ``work_dir``, and reused by every epoch and resume
-  (``train_cache.py``).
+  (``cache.py``).
 - **Steps.** A step packs whole sequences until ``batch_tokens`` trained
   positions; the batch order of epoch ``e`` depends only on ``(seed, e)``.
   With ``vocab="seen"`` the softmax runs over the tokens that occur as targets
