@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The shipped sample workload `make run` generates on.
 RUN_INPUT ?= sample_prompts/code_edits.jsonl
 
-.PHONY: all setup run test lint typecheck pytest bench bench-lookup bench-runtime bench-kernel bench-engine bench-startup bench-grammar bench-ray bench-budget mtp-head mtp-eval gpu-check gpu-wheels clean
+.PHONY: all setup run test lint typecheck pytest docs bench bench-lookup bench-runtime bench-kernel bench-engine bench-startup bench-grammar bench-ray bench-budget mtp-head mtp-eval gpu-check gpu-wheels clean
 
 all: test
 
@@ -48,6 +48,10 @@ typecheck: setup
 	MYPYPATH=build/typecheck $(VENV)/bin/mypy -p metrale.lookup -p metrale.engine -p metrale.cli -p tests
 
 test: pytest lint typecheck
+
+# docs/cli.md from the CLI's own --help (a test checks it is current).
+docs: setup
+	$(PY) -m metrale.cli.reference docs/cli.md
 
 # metrale against transformers on the sample workloads. Modest by default
 # (batch-1 configurations: 4 prompts a workload; batched: 16; 64 tokens; 3
@@ -124,14 +128,14 @@ mtp-head: setup
 mtp-eval: setup
 	nice -n 10 $(PY) training/eval_head.py --json build/mtp_eval.json
 
-# The prepared GPU check (issue 16, tests/gpu_check.py): parity with
+# The prepared GPU check (tests/support/gpu_check.py): parity with
 # transformers, readbacks per step, the CUDA graphs captured and MiMo-7B-shaped
 # step times, into build/gpu-check.json. Here `make gpu-check DEVICE=cpu` is
 # its dry run, in the venv. On a GPU machine with no network, whose python has
 # torch and transformers: `make gpu-check GPU_PYTHON=python3` runs it with that
-# python and no venv, after tests/gpu_setup.sh has installed what it lacks
+# python and no venv, after tests/support/gpu_setup.sh has installed what it lacks
 # from build/gpu-wheels (made here by `make gpu-wheels`; carry that folder).
-# GPU_CHECK_ARGS adds flags, e.g. "--bench tiny" (python -m tests.gpu_check --help).
+# GPU_CHECK_ARGS adds flags, e.g. "--bench tiny" (python -m tests.support.gpu_check --help).
 DEVICE ?= cuda
 GPU_PYTHON ?=
 GPU_CHECK_ARGS ?=
@@ -139,11 +143,11 @@ GPU_WHEELS := build/gpu-wheels
 GPU_SITE := build/gpu-site
 ifeq ($(GPU_PYTHON),)
 gpu-check: setup
-	$(PY) -m tests.gpu_check --device $(DEVICE) --out build/gpu-check.json $(GPU_CHECK_ARGS)
+	$(PY) -m tests.support.gpu_check --device $(DEVICE) --out build/gpu-check.json $(GPU_CHECK_ARGS)
 else
 gpu-check:
-	bash tests/gpu_setup.sh $(GPU_PYTHON) $(GPU_WHEELS) $(GPU_SITE)
-	PYTHONPATH=$(CURDIR)/$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m tests.gpu_check \
+	bash tests/support/gpu_setup.sh $(GPU_PYTHON) $(GPU_WHEELS) $(GPU_SITE)
+	PYTHONPATH=$(CURDIR)/$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m tests.support.gpu_check \
 		--device $(DEVICE) --out build/gpu-check.json $(GPU_CHECK_ARGS)
 endif
 

@@ -6,7 +6,7 @@ for the model becomes a ``LineError`` naming the line (``path:number``) and
 the field; it never stops the other lines. Nothing here touches the engine or
 a terminal: the command feeds ``Request``s to the engine and writes records.
 
-Formats (see README "Formats"):
+Formats (docs/formats.md):
 
 - simple: ``{"id"?, "prompt" | "messages", "max_tokens"?, "temperature"?,
   "top_p"?, "top_k"?, "seed"?, "stop"?, "scope"?, "metadata"?,
@@ -199,7 +199,7 @@ def _parse_simple(
 ) -> ParsedLine:
     unknown = sorted(set(obj) - SIMPLE_FIELDS)
     if unknown:
-        raise LineFault(unknown[0], "unknown field (see README 'Formats')")
+        raise LineFault(unknown[0], "unknown field (see docs/formats.md)")
     if not isinstance(output_id, str | int) or isinstance(output_id, bool):
         raise LineFault("id", "must be a string or an integer")
     prompt, messages = _prompt_or_messages(obj, "")

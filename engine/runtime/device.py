@@ -6,12 +6,11 @@ the CPU. Explicit names are validated with a message that names the setting
 (``device``, ``dtype``) and lists the choices.
 
 Why float32 on the CPU: a CPU without a native bfloat16 dot product (AVX2
-without avx512_bf16, as on the machines this is built on) has oneDNN convert
-every operand, so only a bare one-row matmul gains from bfloat16's halved
-weight traffic and every other forward loses (the README gives the figures of
-``python -m metrale.engine.bench.runtime`` for both dtypes). float32 also
-keeps greedy parity with transformers' float32 forward exact enough to test
-token for token.
+without avx512_bf16) has oneDNN convert every operand, so only a bare one-row
+matmul gains from bfloat16's halved weight traffic and every other forward
+loses (``python -m metrale.engine.bench.runtime`` measures both dtypes). float32 also keeps
+greedy parity with transformers' float32 forward exact enough to test token
+for token.
 """
 
 from __future__ import annotations

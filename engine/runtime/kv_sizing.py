@@ -12,7 +12,7 @@ step's padded verify rows write (``static_step.py``; the loader asks for
 ``static_step.HEADROOM``, 16): they come out of the same budget, so below a
 slot costs ``(max_len + headroom) * bytes_per_position``.
 
-The rule (the README states it too, beside ``--kv-cache-gb``):
+The rule (docs/models.md states it too, beside ``--kv-cache-gb``):
 
 - **a ``max_len`` that was asked for is kept, and the batch shrinks**:
   ``num_slots = min(max_slots, budget // ((max_len + headroom) * bytes_per_position))``.

@@ -19,7 +19,7 @@ the same bytes rearranged for the kernel (``from_rows``).
 rows. Decode and verify steps are bound by reading weights (a quarter to a
 sixth of float32's bytes); prefill chunks by arithmetic, where the kernel
 still beats decoding the weight and handing it to BLAS, because the decoded
-tile stays in the core's cache (the README gives the measured ratios).
+tile stays in the core's cache (docs/benchmarks.md, make bench-kernel).
 """
 
 from __future__ import annotations

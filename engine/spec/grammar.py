@@ -18,8 +18,7 @@ allows.
 
 The library is llguidance: its masks are exact over the tokenizer's bytes, it
 rolls a matcher back by any number of tokens, it computes the forced tokens
-of a state itself, and its wheel carries no dependencies (see README
-"Structured outputs" for the figures behind the choice).
+of a state itself, and its wheel carries no dependencies (docs/structured-outputs.md).
 """
 
 from __future__ import annotations
