@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The shipped sample workload `make run` generates on.
 RUN_INPUT ?= sample_prompts/code_edits.jsonl
 
-.PHONY: all setup run test lint typecheck pytest docs bench bench-lookup bench-runtime bench-kernel bench-engine bench-startup bench-grammar bench-ray bench-budget mtp-head mtp-eval gpu-check gpu-wheels clean
+.PHONY: all setup run test lint typecheck pytest docs bench bench-lookup bench-runtime bench-kernel bench-engine bench-startup bench-grammar bench-ray bench-budget bench-cli mtp-head mtp-eval gpu-check gpu-wheels clean
 
 all: test
 
@@ -95,6 +95,15 @@ bench-grammar: setup
 # workloads and the held-out bench_prompts/ sets nothing was tuned on.
 bench-budget: setup
 	$(PY) -m metrale.engine.bench.budget sample_prompts/*.jsonl bench_prompts/code_gen.jsonl bench_prompts/math_steps.jsonl bench_prompts/chat_tasks.jsonl bench_prompts/table_tasks.jsonl --rounds-json build/bench_budget_rounds.json
+
+# Whole `metrale generate` processes, one per configuration and run, rounds
+# alternating: the draft budget (--draft-policy auto) against no drafts, copies
+# only, MTP only and both under the fixed policy, at --max-batch 1 and 16, on
+# held-out sets with short answers, where a run lasts seconds. Writes the
+# bench-cli section of docs/benchmarks.md.
+BENCH_CLI_SETS ?= bench_prompts/short_answers.jsonl bench_prompts/log_summaries.jsonl bench_prompts/chat_tasks.jsonl bench_prompts/code_gen.jsonl
+bench-cli: setup
+	$(PY) -m metrale.cli.bench_runs $(BENCH_CLI_SETS) --batches 1,16
 
 # The same job in one process and on a local Ray (--ray local --ray-workers 2),
 # the outputs checked identical, tok/s of both and their ratio.

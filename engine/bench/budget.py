@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metrale.engine.api import Request, Result, SamplingParams
+from metrale.engine.bench.docs_table import stamp, write_section
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine
 from metrale.engine.load.loader import LoadedModel, load_model
@@ -189,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--rounds-json", type=Path, default=None, help="write every round's tokens/s here"
     )
+    parser.add_argument("--docs", type=Path, default=Path("docs/benchmarks.md"))
     args = parser.parse_args(argv)
     found: dict[str, dict[str, list[float]]] = {}
     if args.rounds_json is not None:
@@ -198,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     models = {key: load_model(args.model, runtime) for key in CONFIGS}
     loaded = models["no drafts"]
     columns = ["workload", "batch", *CONFIGS, "auto / best fixed", "paired", "best fixed"]
-    print(f"| {' | '.join(columns)} |")
-    print("|" + "---|" * len(columns))
+    table = [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
+    print("\n".join(table))
     for path in paths:
         requests = read_requests(path, loaded, args.max_tokens)
         shapes = [(1, requests[: args.single]), (args.batch, requests[: args.batch])]
@@ -210,14 +212,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             rounds = bench_workload(models, path.stem, subset, batch, repeats)
             row = summarise(rounds)
             cells = [f"{row.rates[k]:.1f}" for k in CONFIGS]
-            print(
+            table.append(
                 f"| {path.stem} | {batch} | {' | '.join(cells)} | {row.ratio:.3f}x "
-                f"| {row.paired:.3f}x | {row.best} |",
-                flush=True,
+                f"| {row.paired:.3f}x | {row.best} |"
             )
+            print(table[-1], flush=True)
             if args.rounds_json is not None:
                 found[f"{path.stem}/{batch}"] = rounds
                 args.rounds_json.write_text(json.dumps(found, indent=1))
+    write_section(args.docs, "bench-budget", stamp() + "\n\n" + "\n".join(table))
 
 
 if __name__ == "__main__":
