@@ -4,19 +4,16 @@ injected on a fake clock (no wall clock anywhere here)."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.engine import Engine, calibration_key
+from metrale.engine.engine import Engine
 from metrale.engine.load.loader import load_model
 from metrale.engine.prompts import user_prompt_ids
 from metrale.engine.runtime.model import ForwardOutput, MtpLogitRows, Segment
@@ -30,11 +27,10 @@ from metrale.engine.spec.budget import (
     DraftBudget,
 )
 from metrale.engine.spec.copies import BATCHED_COPY_MAX
-from metrale.engine.spec.cost import CostCache, CostModel, RunningCosts, bucket
+from metrale.engine.spec.cost import CostModel
 from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
-from metrale.engine.spec.plan import Plan, best_plan
+from metrale.engine.spec.plan import Plan
 from metrale.lookup import PromptLookupConfig
-from tests.support.checkpoints import write_tiny_checkpoint
 from tests.support.engine_runs import check_figures_add_up
 from tests.support.fake_model import (
     CostedModel,
@@ -68,68 +64,6 @@ COSTS: dict[str, Callable[[int], float]] = {
     # leaves 0.06 token for the head's share.
     "tight": lambda rows: 0.002 + 0.008 * rows,
 }
-
-
-# -- the plan -----------------------------------------------------------------
-
-
-def brute_force_rate(
-    base_rows: int, options: Sequence[Sequence[Sequence[float]]], step_s: Callable[[int], float]
-) -> float:
-    per_seq = [
-        [(0, 0.0)] + [(n, g[n - 1]) for g in opts for n in range(1, len(g) + 1)] for opts in options
-    ]
-    best = 0.0
-    for combo in itertools.product(*per_seq):
-        rows = base_rows + sum(n for n, _ in combo)
-        best = max(best, (base_rows + sum(g for _, g in combo)) / step_s(rows))
-    return best
-
-
-def cumulative(odds: Sequence[float]) -> list[float]:
-    gains, reach, total = [], 1.0, 0.0
-    for p in odds:
-        reach *= p
-        total += reach
-        gains.append(total)
-    return gains
-
-
-odds_lists = st.lists(st.floats(0.0, 1.0), min_size=0, max_size=4)
-seq_options = st.lists(odds_lists, min_size=0, max_size=2)
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    options=st.lists(seq_options, min_size=1, max_size=4),
-    fixed_s=st.floats(0.001, 1.0),
-    row_costs=st.lists(st.floats(0.0, 0.5), min_size=20, max_size=20),
-)
-def test_the_plan_maximises_the_expected_rate_over_every_candidate(
-    options: list[list[list[float]]], fixed_s: float, row_costs: list[float]
-) -> None:
-    gains = [[cumulative(odds) for odds in opts] for opts in options]
-
-    def step_s(rows: int) -> float:  # any increasing cost, not only a linear one
-        return fixed_s + sum(row_costs[:rows])
-
-    base = len(gains)
-    plan = best_plan(base, float(base), gains, step_s)
-    assert plan.rate == pytest.approx(brute_force_rate(base, gains, step_s), rel=1e-9)
-    # The plan is what it says it is.
-    assert plan.rows == base + sum(n for _, n in plan.choices)
-    chosen = sum(gains[i][o][n - 1] for i, (o, n) in enumerate(plan.choices) if n)
-    assert plan.tokens == pytest.approx(base + chosen)
-    for i, (o, n) in enumerate(plan.choices):
-        assert (o, n) == (-1, 0) or (0 <= o < len(gains[i]) and 1 <= n <= len(gains[i][o]))
-
-
-def test_the_plan_verifies_sure_drafts_when_rows_are_cheap_and_none_when_dear() -> None:
-    options = [[[0.9, 1.7, 2.4]], [[0.5, 0.7]]]
-    cheap = best_plan(2, 2.0, options, lambda rows: 1.0 + 0.01 * rows)
-    assert cheap.choices == ((0, 3), (0, 2))
-    dear = best_plan(2, 2.0, options, lambda rows: 1.0 * rows)
-    assert dear.choices == ((-1, 0), (-1, 0))
 
 
 # -- the cost model -------------------------------------------------------------
@@ -508,47 +442,6 @@ def test_no_look_is_made_while_a_sure_draft_would_not_pay_its_row_and_the_head()
     assert forwards[0.004] == 0
 
 
-def test_the_calibration_prices_the_head_and_a_cache_without_it_is_measured_again(
-    tmp_path: Path,
-) -> None:
-    key = {"model": "m", "device": "cpu", "dtype": "float32", "threads": "2"}
-    clock = FakeClock()
-    calls: list[tuple[str, int]] = []
-
-    def forward(rows: int) -> None:
-        calls.append(("verify", rows))
-        clock.now += 0.001 * rows
-
-    def head(feeds: int, each: int) -> int:
-        calls.append(("head", feeds) if each == 1 else ("held", feeds * (each - 1)))
-        clock.now += 2 * (0.0002 + 0.0001 * feeds) + 0.00001 * feeds * (each - 1)
-        return 2  # head forwards run: the cost is per forward
-
-    first = CostModel(clock, CostCache(tmp_path, key))
-    first.calibrate(forward, 8)  # a run without a head measures none
-    assert not first.head.known() and ("head", 1) not in calls
-    calls.clear()
-    with_head = CostModel(clock, CostCache(tmp_path, key))
-    with_head.calibrate(forward, 8, (head, 4))
-    assert {c for c in calls if c[0] == "head"} == {("head", 1), ("head", 2), ("head", 4)}
-    assert with_head.head.predict(4) == pytest.approx(0.0006)
-    # 4 sequences with 16 rows each: 60 rows beyond one a sequence, 10 us each.
-    assert ("held", 60) in calls
-    assert with_head.held_row_s() == pytest.approx(0.00001)
-    calls.clear()
-    again = CostModel(clock, CostCache(tmp_path, key))
-    again.calibrate(forward, 8, (head, 4))
-    assert calls == [] and again.head.table() == with_head.head.table()
-    assert again.held_row_s() == pytest.approx(0.00001)
-    # A run without a head reads the same file and stores it again whole.
-    headless = CostModel(clock, CostCache(tmp_path, key))
-    headless.calibrate(forward, 8)
-    headless.save()
-    after = CostModel(clock, CostCache(tmp_path, key))
-    after.calibrate(forward, 8, (head, 4))
-    assert calls == [] and after.head.table() == with_head.head.table()
-
-
 def test_no_chain_could_pay_where_a_row_costs_a_token_and_could_as_the_batch_thins() -> None:
     def budget(head_s: float) -> DraftBudget:
         costs = CostModel(FakeClock())
@@ -649,28 +542,6 @@ def test_a_look_must_repay_the_rows_it_feeds_the_head_before_the_line_ends() -> 
     assert not budget.look_may_pay(line(1, 100), 1)
 
 
-def test_a_held_rows_figure_weighs_catch_ups_by_their_rows_and_climbs_back_from_low() -> None:
-    costs = CostModel(FakeClock())
-    costs.head.observe(1, 0.001)
-    costs.head.observe(16, 0.004)
-    # A first catch-up of 10 rows: 5 us each beyond the head's forward.
-    costs.observe_held(10, 1, 1, 0.001 + 10 * 5e-6)
-    assert costs.held_row_s() == pytest.approx(5e-6)
-    # 800 rows at 40 us each: the figure goes nearly all the way (moved by a
-    # fixed share a call, at most twice the estimate, it came to 5.75 us).
-    costs.observe_held(800, 16, 1, 0.004 + 800 * 40e-6)
-    expected = (0.85 * 10 * 5e-6 + 800 * 40e-6) / (0.85 * 10 + 800)
-    assert costs.held_row_s() == pytest.approx(expected)
-    assert costs.held_row_s() > 39e-6
-    # A catch-up of 10 rows on a noisy moment moves it little.
-    costs.observe_held(10, 1, 1, 0.001 + 10 * 150e-6)
-    assert 39e-6 < costs.held_row_s() < 42e-6
-    # Nor is a call faster than the head's own forwards counted below nothing.
-    before = costs.held_row_s()
-    costs.observe_held(10, 16, 1, 0.002)
-    assert before * 0.98 < costs.held_row_s() < before
-
-
 def test_a_chain_worth_its_share_waits_while_its_held_rows_would_not_be_repaid() -> None:
     # The costs of the test above: a sure draft adds 0.8 token a step at one
     # sequence, a held row costs 0.5 ms, 0.05 token at 100 tokens/s.
@@ -687,109 +558,6 @@ def test_a_chain_worth_its_share_waits_while_its_held_rows_would_not_be_repaid()
     assert budget.wants_chain(line(6, 0), 1)  # nothing held: it drafts
     assert budget.wants_chain(line(7, 100), 1)  # 5 tokens to repay over 7 left
     assert not budget.wants_chain(line(6, 100), 1)  # ... not over 6
-
-
-def test_costs_are_interpolated_between_buckets_and_follow_new_measurements() -> None:
-    costs = RunningCosts({1: 2.0, 4: 5.0, 16: 11.0})
-    assert costs.predict(2) == pytest.approx(3.0)
-    assert costs.predict(10) == pytest.approx(8.0)
-    assert costs.predict(32) == pytest.approx(11.0 + 0.5 * 16)  # the last slope on
-    assert costs.predict(0) == 2.0
-    costs.observe(4, 8.0)
-    assert 5.0 < costs.predict(4) < 8.0
-    assert bucket(17) == 20 and bucket(65) == 80 and bucket(16) == 16
-
-
-def test_every_row_inside_a_coarse_bucket_costs_something() -> None:
-    # 17..20 rows share a bucket: priced as one, the plan and the chain's
-    # worth saw the rows after the 17th as free.
-    costs = RunningCosts({16: 32.0, 20: 40.0})
-    assert [costs.predict(r) for r in (17, 18, 19, 20)] == pytest.approx([34.0, 36.0, 38.0, 40.0])
-
-
-def test_wide_verifies_are_priced_by_one_line_so_equal_neighbours_leave_no_row_free() -> None:
-    # 20 and 24 rows measured alike (a noisy moment): bucket to bucket, rows
-    # 21-24 were free to the plan. One line through 16 rows prices them all.
-    costs = RunningCosts({16: 32.0, 20: 40.0, 24: 40.0, 32: 56.0})
-    slope = (8 / 4 + 8 / 8 + 24 / 16) / 3  # the buckets' own slopes, each measured once
-    assert costs.predict(16) == 32.0
-    assert [costs.predict(r) for r in (17, 24, 40)] == pytest.approx(
-        [32.0 + slope, 32.0 + 8 * slope, 32.0 + 24 * slope]
-    )
-    assert costs.table()[24] == pytest.approx(32.0 + 8 * slope)
-
-
-def test_the_widths_a_run_verifies_set_the_slope_beyond_16_rows() -> None:
-    # Calibrated at 32 and 64 rows at 1 a row beyond 16; a batch of 16 then
-    # verifies 18 rows, at 3 a row beyond 16, step after step.
-    costs = RunningCosts({16: 64.0, 32: 80.0, 64: 112.0})
-    assert costs.predict(18) == pytest.approx(66.0)
-    for _ in range(30):
-        costs.observe(18, 70.0)
-    assert costs.predict(18) == pytest.approx(64.0 + 2 * (30 * 3.0 + 2 * 1.0) / 32, rel=1e-3)
-    assert costs.predict(18) > 69.5
-
-
-def test_a_wide_bucket_is_placed_at_the_rows_it_measured() -> None:
-    costs = RunningCosts({16: 32.0})
-    for _ in range(40):
-        costs.observe(17, 34.0)  # bucket 20, always at 17 rows: 2 a row
-    assert costs.predict(18) == pytest.approx(36.0, rel=1e-3)
-    # Never dearer per row than 16 rows, never cheaper than 16 rows in all.
-    steep = RunningCosts({16: 32.0, 20: 400.0})
-    assert steep.predict(32) == pytest.approx(64.0)
-    flat = RunningCosts({16: 32.0, 20: 10.0})  # repaired down to 10 at 16 rows, slope 0
-    assert flat.predict(20) == pytest.approx(flat.predict(16)) == pytest.approx(10.0)
-
-
-def test_a_busy_moment_cannot_price_a_width_out_of_the_plans() -> None:
-    costs = RunningCosts({1: 1.0, 2: 50.0, 4: 4.0, 8: 400.0})
-    assert costs.predict(2) <= 2.0  # no dearer per row than one row
-    assert costs.predict(8) <= 8.0
-    assert costs.predict(1) <= costs.predict(2) <= costs.predict(4) <= costs.predict(8)
-    before = costs.predict(4)
-    costs.observe(4, 1000.0)  # counted as twice the estimate at most
-    assert costs.predict(4) <= before * (1 + 0.15) + 1e-9
-
-
-def test_a_calibration_is_reused_only_by_the_same_model_device_dtype_and_threads(
-    tmp_path: Path,
-) -> None:
-    key = {"model": "m", "device": "cpu", "dtype": "float32", "threads": "2"}
-    clock = FakeClock()
-    calls: list[int] = []
-
-    def forward(rows: int) -> None:
-        calls.append(rows)
-        clock.now += 0.001 * rows
-
-    first = CostModel(clock, CostCache(tmp_path, key))
-    first.calibrate(forward, 8)
-    assert calls and first.verify.predict(8) == pytest.approx(0.008)
-    calls.clear()
-    again = CostModel(clock, CostCache(tmp_path, key))
-    again.calibrate(forward, 8)
-    assert calls == [] and again.verify.table() == first.verify.table()
-    for changed in ({"threads": "1"}, {"dtype": "bfloat16"}):
-        other = CostModel(clock, CostCache(tmp_path, {**key, **changed}))
-        other.calibrate(forward, 8)
-        assert calls, f"a calibration for {changed} reused another's"
-        calls.clear()
-
-
-def test_the_calibration_key_names_threads_and_dtype(tmp_path: Path) -> None:
-    folder = write_tiny_checkpoint(tmp_path / "tiny", "llama")
-    loaded = load_model(folder, RuntimeConfig(device="cpu", num_slots=2, max_len=64))
-    key = calibration_key(loaded)
-    assert key["dtype"] == "float32" and key["threads"] == "1"
-    torch.set_num_threads(2)
-    try:
-        assert calibration_key(loaded)["threads"] == "2"
-    finally:
-        torch.set_num_threads(1)
-    as_bf16 = load_model(folder, RuntimeConfig(device="cpu", dtype="bfloat16", num_slots=2))
-    assert calibration_key(as_bf16)["dtype"] == "bfloat16"
-    assert CostCache(tmp_path, key).path != CostCache(tmp_path, calibration_key(as_bf16)).path
 
 
 # -- the engine on costed fakes ---------------------------------------------------
