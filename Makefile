@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The shipped sample workload `make run` generates on.
 RUN_INPUT ?= sample_prompts/code_edits.jsonl
 
-.PHONY: all setup run test lint typecheck pytest docs bench bench-lookup bench-runtime bench-kernel bench-engine bench-startup bench-grammar bench-ray bench-budget bench-cli mtp-head mtp-eval gpu-check gpu-wheels clean
+.PHONY: all setup run test lint typecheck pytest docs bench bench-lookup bench-runtime bench-kernel bench-engine bench-startup bench-grammar bench-ray bench-budget bench-cli bench-ablation mtp-head mtp-eval gpu-check gpu-wheels clean
 
 all: test
 
@@ -95,6 +95,13 @@ bench-grammar: setup
 # workloads and the held-out bench_prompts/ sets nothing was tuned on.
 bench-budget: setup
 	$(PY) -m metrale.engine.bench.budget sample_prompts/*.jsonl bench_prompts/code_gen.jsonl bench_prompts/math_steps.jsonl bench_prompts/chat_tasks.jsonl bench_prompts/table_tasks.jsonl --rounds-json build/bench_budget_rounds.json
+
+# What each mechanism of the draft budget earns: the budget whole against the
+# budget with each mechanism off, same run, step by step, at batch 1 and 16, on
+# the held-out sets. Writes the bench-ablation section of docs/benchmarks.md.
+ABLATION_SETS ?= bench_prompts/code_gen.jsonl bench_prompts/chat_tasks.jsonl bench_prompts/table_tasks.jsonl bench_prompts/math_steps.jsonl bench_prompts/short_answers.jsonl bench_prompts/log_summaries.jsonl
+bench-ablation: setup
+	$(PY) -m metrale.engine.bench.ablation $(ABLATION_SETS)
 
 # Whole `metrale generate` processes, one per configuration and run, rounds
 # alternating: the draft budget (--draft-policy auto) against no drafts, copies

@@ -125,6 +125,9 @@ class EngineConfig:
     forced_drafts: bool = True
     draft_policy: str = "auto"
     step_path: str = "auto"
+    # Mechanisms of the draft budget turned off, for ablations only
+    # (``spec/budget.py``, ``MECHANISMS``; ``make bench-ablation``).
+    budget_ablation: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.step_path not in ("auto", "host", "device"):

@@ -95,7 +95,9 @@ class Engine:
         self.policy: DraftPolicy = FixedPolicy(config.mtp_ladder, bool(mtp), lookup, self._shared)
         # The device step drafts its chains on the device, by the fixed rules.
         if config.draft_policy == "auto" and device is None:
-            self.policy = AutoPolicy(config.mtp_ladder, lookup, self._shared, costs)
+            self.policy = AutoPolicy(
+                config.mtp_ladder, lookup, self._shared, costs, config.budget_ablation
+            )
         drafter = None
         if mtp and device is None:
             drafter = self.policy.make_drafter(mtp, config.mtp_min_prob)

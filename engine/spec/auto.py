@@ -105,6 +105,8 @@ def take_planned_drafts(
             copy = propose_copy(seq, cfg, shared, path_cap, 0, longest=True)
         sure = 1 + len(seq.forced_drafts)
         agreement = seq.prompt_lookup.agreement if copy and seq.prompt_lookup else 0
+        if "agreement" in budget.without:
+            agreement = 0
         candidates.append(Candidates(seq, sure, chain, copy or [], agreement))
     picked = budget.plan(candidates)
     took: list[CopyTaken] = []
@@ -187,8 +189,10 @@ class AutoPolicy:
         lookup: PromptLookupConfig | None,
         shared: SharedLookup | None,
         costs: CostModel | None = None,
+        without: tuple[str, ...] = (),
     ) -> None:
-        self.budget = DraftBudget(costs or CostModel())
+        self.budget = DraftBudget(costs or CostModel(), without)
+        self.without = frozenset(without)
         self.lookup, self.shared = lookup, shared
         # Any chain may be as long as the ladder's longest: the plan cuts it.
         self._chain_cap = ladder.longest
@@ -258,7 +262,8 @@ class AutoPolicy:
         self._ahead = self._drain(batch, queues)
         self._released = self._scoring = 0
         seqs = [s for s in batch if not s.finished and s.slot not in self._ahead]
-        self.budget.share_head(seqs, queues.running())
+        if "share_head" not in self.without:
+            self.budget.share_head(seqs, queues.running())
 
     def head_feed(
         self,
@@ -276,12 +281,14 @@ class AutoPolicy:
             own.hold(start, next_ids, rows)
             return None
         scored = 0
-        if own.held_rows() and seq.request.params.greedy and not self._scoring:
+        scoring = "score_fed" not in self.without
+        if scoring and own.held_rows() and seq.request.params.greedy and not self._scoring:
             scored = self._scoring = SCORED_ROWS  # one a forward: those rows' logits cost
         self._released += own.held_rows()
         start, next_ids, rows = own.release(start, next_ids, rows)
-        length, agreement = peek_copy(seq, self.lookup, running)
-        budget.rival_copy(seq, length, agreement)
+        if "rival_copy" not in self.without:
+            length, agreement = peek_copy(seq, self.lookup, running)
+            budget.rival_copy(seq, length, agreement)
         return DraftFeed(seq, start, next_ids, self.chain_len(seq, running), scored), rows
 
     def head_ran(self, feeds: Sequence[DraftFeed], forwards: int, seconds: float) -> None:
@@ -312,6 +319,6 @@ class AutoPolicy:
     def _drain(self, batch: Sequence[SeqState], queues: Queues) -> set[int]:
         """The slots of the sequences that draft nothing this step: in a
         drain, those ahead of the run's slowest (``sequences_ahead``)."""
-        if not queues.draining():
+        if not queues.draining() or "drain" in self.without:
             return set()
         return sequences_ahead([s for s in batch if not s.finished], queues.prefilling)

@@ -68,6 +68,36 @@ from metrale.engine.stats import BudgetStats
 
 Key = tuple[object, ...]
 
+# The mechanisms an ablation may turn off (``DraftBudget(without=...)``):
+# rest: a chain that does not pay rests and holds its rows (else every chain
+#   drafts every step);
+# looks: a resting chain looks and scouts again (else it restarts only when
+#   it pays its share, or once HOLD_MAX rows wait);
+# share_head: the chains of a step are priced together against the head
+#   forward they share (else each against a forward of its own);
+# score_fed: a chain fed its held rows scores the first drafts it would have
+#   made there;
+# drain: in a drain, the sequences ahead draft no MTP chain;
+# rival_copy: no chain position runs where the copy to come is worth as much;
+# deeper: the chain stops where a draft does not pay its row (else it runs to
+#   its cap and the plan alone cuts it);
+# seq_rates: each sequence's own estimates over the run's (else the run's);
+# confidence: an MTP draft is priced by its confidence bin (else its depth);
+# agreement: a copy is priced by its agreement bin (else its position).
+MECHANISMS = frozenset(
+    {
+        "rest",
+        "looks",
+        "share_head",
+        "score_fed",
+        "drain",
+        "rival_copy",
+        "deeper",
+        "seq_rates",
+        "confidence",
+        "agreement",
+    }
+)
 # Copy positions beyond this share one estimate.
 COPY_POSITIONS = 8
 # Upper edges (exclusive) of the bins a copy is scored in by the tokens its
@@ -285,8 +315,13 @@ class Candidates:
 class DraftBudget:
     """The run's estimates, costs and choices (module doc)."""
 
-    def __init__(self, costs: CostModel) -> None:
+    def __init__(self, costs: CostModel, without: Iterable[str] = ()) -> None:
         self.costs = costs
+        without = frozenset(without)
+        unknown = sorted(without - MECHANISMS)
+        if unknown:
+            raise ValueError(f"budget_ablation: unknown mechanisms {unknown}")
+        self.without = without  # mechanisms turned off (``MECHANISMS``)
         self.rates = Rates(RUN_DECAY, RUN_STRENGTH)
         self.rate_s = 0.0  # tokens/s the last plan predicted
         self.marginal_s = 0.0  # one more verify row per sequence, per row
@@ -312,8 +347,11 @@ class DraftBudget:
         """A sequence's budget; its chain unvalued until it first runs
         (``predicted_value`` stands for it)."""
         if seq.budget is None:
+            strength, mtp_strength = SEQ_STRENGTH, SEQ_MTP_STRENGTH
+            if "seq_rates" in self.without:
+                strength = mtp_strength = 1e12  # the run's estimate whatever it saw
             seq.budget = SeqBudget(
-                Rates(SEQ_DECAY, SEQ_STRENGTH, self.rates, mtp_strength=SEQ_MTP_STRENGTH)
+                Rates(SEQ_DECAY, strength, self.rates, mtp_strength=mtp_strength)
             )
         return seq.budget
 
@@ -561,6 +599,8 @@ class DraftBudget:
         budget = self.for_seq(seq)
         if ahead and budget.held_rows() < HOLD_MAX:
             return False
+        if "rest" in self.without:
+            return True
         budget.since_chain += 1
         live = max(live, 1)
         value, valued = budget.chain_value, budget.chain_value is not None
@@ -577,7 +617,7 @@ class DraftBudget:
         if budget.held_rows() >= HOLD_MAX:
             budget.since_chain = 0
             return True
-        if not self.look_may_pay(seq, live):
+        if "looks" in self.without or not self.look_may_pay(seq, live):
             return False
         if not valued:
             if self._planned % self._scout_every or not self._scout_turn():
@@ -645,6 +685,8 @@ class DraftBudget:
         """Records the chain's draft at ``depth`` (``top_prob``: the module's
         top probability there, or None when it may not be used)."""
         budget = self.for_seq(seq)
+        if "confidence" in self.without:
+            top_prob = None
         key: Key = ("mtp", depth) if top_prob is None else ("mtp", depth, confidence_bin(top_prob))
         budget.chain_keys.append(key)
         budget.chain_odds *= budget.rates.rate(key)
@@ -654,6 +696,8 @@ class DraftBudget:
         """Whether the head runs chain position ``depth`` for ``seq``, given the
         drafts before it and ``live`` sequences sharing that head forward."""
         budget = self.for_seq(seq)
+        if "deeper" in self.without:
+            return True
         worth = budget.chain_odds * budget.rates.rate(("mtp", depth))
         rival = budget.copy_rival
         if rival and rival[min(depth, len(rival) - 1)] >= budget.chain_gain + worth:

@@ -20,6 +20,7 @@ from metrale.engine.runtime.model import ForwardOutput, MtpLogitRows, Segment
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.auto import AutoPolicy
 from metrale.engine.spec.budget import (
+    MECHANISMS,
     RUN_DECAY,
     SCORED_ROWS,
     SEQ_DECAY,
@@ -570,11 +571,14 @@ def costed_engine(
     max_batch: int = 4,
     counting: bool = False,
     head_cost: float = 0.0005,
+    without: tuple[str, ...] = (),
 ) -> tuple[Engine, CostedModel]:
     clock = FakeClock()
     model = CostedModel(num_slots=4, clock=clock, cost=COSTS[cost], counting=counting)
     mtp = [CostedMtp(model, mtp_mode, cost=head_cost)] if mtp_mode else []  # type: ignore[arg-type]
-    config = EngineConfig(max_batch=max_batch, prompt_lookup=lookup, draft_policy="auto")
+    config = EngineConfig(
+        max_batch=max_batch, prompt_lookup=lookup, draft_policy="auto", budget_ablation=without
+    )
     engine = Engine(model, None, config, mtp=mtp, costs=CostModel(clock))
     engine.calibrate()
     model.forwards.clear()  # the calibration's verifies and head forwards are no part of the trace
@@ -786,6 +790,20 @@ def test_greedy_output_is_identical_under_auto_fixed_and_off(
     fixed = generate(Engine(model, None, config, mtp=mtp), PROMPTS)
     off = [reference_greedy(FakeModel(), p, 40) for p in PROMPTS]
     assert auto == fixed == off
+
+
+@pytest.mark.parametrize("mechanism", sorted(MECHANISMS))
+def test_the_budget_with_any_mechanism_turned_off_writes_the_same_greedy_output(
+    mechanism: str,
+) -> None:
+    engine, _ = costed_engine("cpu", "mixed", LOOKUP, max_batch=4, without=(mechanism,))
+    off = [reference_greedy(FakeModel(), p, 40) for p in PROMPTS]
+    assert generate(engine, PROMPTS) == off
+
+
+def test_an_unknown_mechanism_to_turn_off_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="budget_ablation: unknown mechanisms \\['chains'\\]"):
+        costed_engine("cpu", without=("chains",))
 
 
 @pytest.mark.slow
