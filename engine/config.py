@@ -111,8 +111,8 @@ class EngineConfig:
     the measured verify cost and live acceptance (``spec/budget.py``);
     ``"fixed"`` keeps the ladder and the copy windows' own lengths.
     ``step_path``: ``"device"`` runs each step's verify, acceptance and MTP
-    chain as device tensor ops with one readback (``step/device_verify.py``; the
-    fixed policy drafts there); ``"host"`` the step that decides on the host;
+    chain as device tensor ops with one readback (``step/device_verify.py``);
+    ``"host"`` the step that decides on the host;
     ``"auto"`` the device step on CUDA, the host step on the CPU."""
 
     max_batch: int = 16

@@ -93,8 +93,7 @@ class Engine:
         shared = config.shared_lookup_config()
         self._shared = SharedLookup(shared) if shared is not None else None
         self.policy: DraftPolicy = FixedPolicy(config.mtp_ladder, bool(mtp), lookup, self._shared)
-        # The device step drafts its chains on the device, by the fixed rules.
-        if config.draft_policy == "auto" and device is None:
+        if config.draft_policy == "auto":
             self.policy = AutoPolicy(
                 config.mtp_ladder, lookup, self._shared, costs, config.budget_ablation
             )

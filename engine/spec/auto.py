@@ -298,6 +298,13 @@ class AutoPolicy:
         elif forwards:
             self.costs.head.observe(len(feeds), seconds / forwards)
 
+    def chain_drafted(self, seq: SeqState, drafts: list[int]) -> None:
+        """A chain drafted on the device: its drafts are priced by their depth
+        (the device reads back no confidence)."""
+        self.budget.start_chain(seq)
+        for depth in range(len(drafts)):
+            self.budget.drafted(seq, depth, None)
+
     def end_step(self, times: StepTimes) -> None:
         if times.verify_s > 0:
             measured = self.clock() - times.began - times.prefill_s

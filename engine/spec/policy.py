@@ -12,10 +12,12 @@ on which policy it holds:
    step settles right after the verify (``copies.settle_copies``);
 3. ``verified(times)`` after the verify: its width and time, and what each
    slot produced (``StepTimes.produced``);
-4. the MTP head after the verify: ``before_head`` once, then ``head_feed``
-   per sequence (a feed for the drafter, or None while the policy holds the
-   rows back), and ``head_ran`` with what the drafter spent; in a prefill,
-   ``prompt_feed`` per chunk;
+4. the MTP head after the verify: on the host step ``before_head`` once,
+   then ``head_feed`` per sequence (a feed for the drafter, or None while
+   the policy holds the rows back), and ``head_ran`` with what the drafter
+   spent, and in a prefill ``prompt_feed`` per chunk; on the device step,
+   which feeds the head every verified row and drafts on the device,
+   ``chain_drafted`` per sequence with the chain it read back;
 5. ``end_step(times)`` once the step is over.
 
 The draft sources are ``copies.py`` (prompt-lookup copies), ``mtp.py`` (the
@@ -87,6 +89,11 @@ class DraftPolicy(Protocol):
     ) -> Feed | None: ...
 
     def head_ran(self, feeds: Sequence[DraftFeed], forwards: int, seconds: float) -> None: ...
+
+    def chain_drafted(self, seq: SeqState, drafts: list[int]) -> None:
+        """The device step drafted ``drafts`` as ``seq``'s next chain (on the
+        host the drafter reports each draft as it makes it)."""
+        ...
 
     def end_step(self, times: StepTimes) -> None: ...
 
@@ -160,6 +167,9 @@ class FixedPolicy:
         return DraftFeed(seq, start, next_ids, self.chain_len(seq, running)), rows
 
     def head_ran(self, feeds: Sequence[DraftFeed], forwards: int, seconds: float) -> None:
+        pass
+
+    def chain_drafted(self, seq: SeqState, drafts: list[int]) -> None:
         pass
 
     def end_step(self, times: StepTimes) -> None:

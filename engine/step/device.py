@@ -7,12 +7,12 @@ host step's with two differences (``device_verify.py`` has the device side):
    last token is the sequence's ``last_token``, so the first verify samples
    the first token as every later verify samples the next, with no readback
    in the prefill; the MTP module is fed the prompt's rows on the device;
-2. drafts: as on the host (the policy's choice, copies cut to the device
-   verify's width);
+2. drafts: as on the host (the policy's choice among the chain read back
+   last step and a copy, cut to the device verify's width);
 3. one upload, the verify, acceptance and the next chain on the device, one
    readback; then each sequence's bookkeeping on the host (``books.py``),
-   exactly as the host step does it;
-4. settle the copies.
+   exactly as the host step does it, and the policy is told the chain;
+4. settle the copies and tell the policy what the verify did.
 
 The batch is the lowest slots (the device runs slots ``0..B-1``), so the
 engine hands out the lowest free slot. Grammars run on the host step only.
@@ -86,9 +86,10 @@ class DeviceStep:
         constrain(batch, lambda seq: take_forced(seq, self.forced_drafts))
         took = self.policy.take_drafts(batch, queues)
         # 3. Verify, accept and draft on the device; bookkeeping on the host.
-        self._verify(batch, cap)
-        # 4. Settle the copies.
+        self._verify(batch, cap, times)
+        # 4. Settle the copies; the policy learns what the verify did.
         settle_copies(took, self.shared, self.copies)
+        self.policy.verified(times)
         return []
 
     def _prefill(self, queues: Queues, times: StepTimes) -> None:
@@ -125,7 +126,7 @@ class DeviceStep:
             self.device.feed_prompt(fed, out.hidden[index])
         times.prefill_s = self.policy.clock() - began
 
-    def _verify(self, batch: list[SeqState], chain: int) -> None:
+    def _verify(self, batch: list[SeqState], chain: int, times: StepTimes) -> None:
         rows = [
             VerifyRow(
                 slot=seq.slot,
@@ -139,7 +140,13 @@ class DeviceStep:
             for seq in batch
         ]
         self.books.counters.verifies += 1
-        for seq, out in zip(batch, self.device.run(rows), strict=True):
+        began = self.policy.clock()
+        outs = self.device.run(rows)
+        times.verify_s = self.policy.clock() - began
+        times.verify_rows = sum(len(row.tokens) for row in rows)
+        times.produced = {}
+        for seq, out in zip(batch, outs, strict=True):
+            times.produced[seq.slot] = out.emitted
             self.books.settle(seq, out.emitted)
             # No chain this time (none sure enough): a copy may stand in, as on the host.
             seq.drafts_declined = chain > 0 and not out.drafts
@@ -147,3 +154,4 @@ class DeviceStep:
                 sampled = not seq.request.params.greedy
                 probs = self.device.draft_probs(seq.slot, len(out.drafts)) if sampled else None
                 seq.set_drafts(out.drafts, probs)
+                self.policy.chain_drafted(seq, out.drafts)

@@ -46,7 +46,8 @@ def _engine(
     mtp = load_checkpoint_mtp(model, ckpt.weights, found) if found else []
     # A random module is rarely sure of a draft: chain whatever it gives.
     config.setdefault("mtp_min_prob", 0.0)
-    settings = EngineConfig(step_path=step_path, draft_policy="fixed", max_batch=slots, **config)
+    config.setdefault("draft_policy", "fixed")
+    settings = EngineConfig(step_path=step_path, max_batch=slots, **config)
     return Engine(model, None, settings, mtp=mtp, eos_token_ids=eos)
 
 
@@ -326,3 +327,33 @@ def test_the_device_steps_sampled_tokens_follow_the_model(checkpoints: dict[str,
     wrong = torch.multinomial(first, trials, True, generator=torch.Generator().manual_seed(0))
     wrong_counts = torch.bincount(wrong, minlength=vocab).double()
     assert float((((wrong_counts - expected) ** 2 / expected)[big]).sum()) > bound
+
+
+def test_the_draft_budget_runs_on_the_device_step_and_changes_no_greedy_token(
+    checkpoints: dict[str, Path],
+) -> None:
+    requests = _requests(4, SamplingParams(max_tokens=24), repeat=True)
+    device = _engine(checkpoints["mimo"], "device", draft_policy="auto")
+    assert device.policy.name == "auto"
+    on_device = _outputs(device, requests)
+    host = _outputs(_engine(checkpoints["mimo"], "host", draft_policy="fixed"), requests)
+    assert on_device == host
+    stats = device.stats()
+    assert stats.budget is not None and stats.budget.steps == stats.verifies
+    assert stats.mtp_proposed + stats.prompt_lookup.total.proposed > 0
+
+
+def test_the_draft_budget_on_the_device_step_reads_back_once_a_step(
+    checkpoints: dict[str, Path],
+) -> None:
+    engine = _engine(checkpoints["mimo"], "device", draft_policy="auto")
+    engine.calibrate()
+    engine._queues.waiting.extend(_requests(4, SamplingParams(max_tokens=16), repeat=True))
+    engine._step()
+    counts: list[tuple[int, int]] = []
+    while engine._queues.decoding:
+        with count_syncs() as syncs:
+            engine._step()
+        counts.append((syncs.readbacks, syncs.uploads))
+    assert len(counts) >= 5
+    assert set(counts) == {(1, 0)}, counts
