@@ -101,7 +101,7 @@ bench-budget: setup
 # the held-out sets. Writes the bench-ablation section of docs/benchmarks.md.
 ABLATION_SETS ?= bench_prompts/code_gen.jsonl bench_prompts/chat_tasks.jsonl bench_prompts/table_tasks.jsonl bench_prompts/math_steps.jsonl bench_prompts/short_answers.jsonl bench_prompts/log_summaries.jsonl
 bench-ablation: setup
-	$(PY) -m metrale.engine.bench.ablation $(ABLATION_SETS)
+	$(PY) -m metrale.engine.bench.ablation $(ABLATION_SETS) --single 3 --repeats 3
 
 # Whole `metrale generate` processes, one per configuration and run, rounds
 # alternating: the draft budget (--draft-policy auto) against no drafts, copies

@@ -21,11 +21,12 @@ shared machine: read ratios, not absolute figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from metrale.engine.api import Request
+from metrale.engine.api import Request, SamplingParams
 from metrale.engine.bench.budget import read_requests, step_by_step, warm_up
 from metrale.engine.bench.docs_table import stamp, write_section
 from metrale.engine.config import EngineConfig, RuntimeConfig
@@ -77,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--single", type=int, default=4, help="requests decoded at batch 1")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per row")
+    parser.add_argument("--max-tokens", type=int, default=96, help="cap on each line's own")
     parser.add_argument("--batches", default="1,16", help="1 and/or --batch, comma-separated")
     parser.add_argument("--mechanisms", default=",".join(sorted(MECHANISMS)))
     parser.add_argument("--docs", type=Path, default=Path("docs/benchmarks.md"))
@@ -89,7 +91,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     table = [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
     print("\n".join(table), flush=True)
     for path in paths:
-        requests = read_requests(path, models["auto"], None)
+        requests = [
+            dataclasses.replace(r, params=SamplingParams(max_tokens=min(r.params.max_tokens, cap)))
+            for r in read_requests(path, models["auto"], None)
+            for cap in [args.max_tokens]
+        ]
         for batch in (int(b) for b in args.batches.split(",")):
             subset = requests[: args.single] if batch == 1 else requests[:batch]
             rounds = bench_row(models, ablations, path.stem, subset, batch, args.repeats)
@@ -98,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             table.append(f"| {path.stem} | {batch} | {auto:.1f} | {' | '.join(cells)} |")
             print(table[-1], flush=True)
     settings = (
-        f"{args.repeats} rounds; batch 1: the first {args.single} lines one at a time; "
+        f"{args.repeats} rounds; at most {args.max_tokens} tokens a line; "
+        f"batch 1: the first {args.single} lines one at a time; "
         f"batch {args.batch}: the first {args.batch} together. A cell: the whole budget's "
         "tokens/s over the budget's without that mechanism, median over rounds."
     )
