@@ -34,7 +34,6 @@ from metrale.engine.api import FinishReason, Request, RequestStats, Result
 from metrale.lookup import PromptLookupSeq, ScopeKey
 
 if TYPE_CHECKING:
-    from metrale.engine.spec.budget import SeqBudget
     from metrale.engine.spec.matcher import GrammarMatcher, RowMasks
 
 Decode = Callable[[Sequence[int]], str]
@@ -61,7 +60,6 @@ class SeqState:
     forced_drafts: list[int] = field(default_factory=list)
     masks: RowMasks | None = None
     error: str | None = None
-    budget: SeqBudget | None = None  # the draft budget's estimates (--draft-policy auto)
 
     def __post_init__(self) -> None:
         if not self.history:

@@ -54,6 +54,7 @@ draw, and later ones by their depth alone.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -322,6 +323,8 @@ class DraftBudget:
         if unknown:
             raise ValueError(f"budget_ablation: unknown mechanisms {unknown}")
         self.without = without  # mechanisms turned off (``MECHANISMS``)
+        # Each sequence's own estimates and held rows, for as long as it lives.
+        self._seqs: weakref.WeakKeyDictionary[SeqState, SeqBudget] = weakref.WeakKeyDictionary()
         self.rates = Rates(RUN_DECAY, RUN_STRENGTH)
         self.rate_s = 0.0  # tokens/s the last plan predicted
         self.marginal_s = 0.0  # one more verify row per sequence, per row
@@ -346,14 +349,14 @@ class DraftBudget:
     def for_seq(self, seq: SeqState) -> SeqBudget:
         """A sequence's budget; its chain unvalued until it first runs
         (``predicted_value`` stands for it)."""
-        if seq.budget is None:
+        own = self._seqs.get(seq)
+        if own is None:
             strength, mtp_strength = SEQ_STRENGTH, SEQ_MTP_STRENGTH
             if "seq_rates" in self.without:
                 strength = mtp_strength = 1e12  # the run's estimate whatever it saw
-            seq.budget = SeqBudget(
-                Rates(SEQ_DECAY, strength, self.rates, mtp_strength=mtp_strength)
-            )
-        return seq.budget
+            own = SeqBudget(Rates(SEQ_DECAY, strength, self.rates, mtp_strength=mtp_strength))
+            self._seqs[seq] = own
+        return own
 
     def predicted_value(self, seq: SeqState, live: int = 1) -> float:
         """What ``seq``'s chain is expected to add a step before it was valued
