@@ -232,18 +232,6 @@ class PromptLookupSeq:
             return None
         return list(history[after : after + max_len])
 
-    def peek(self, history: Sequence[int], max_len: int) -> tuple[int, int]:
-        """``(length, agreement)`` of the copy a longest-agreement proposal
-        would make now, without proposing it: nothing is put in flight and
-        no cooldown moves; ``(0, 0)`` when there is none."""
-        if not self._longest or max_len < 1 or self._in_flight:
-            return 0, 0
-        found = self._longest_match(history)
-        if found is None:
-            return 0, 0
-        agreement, at = found
-        return min(max_len, len(history) - at), agreement
-
     def _longest_copy(self, history: Sequence[int], max_len: int) -> list[int] | None:
         """The continuation of the best longest-agreement match (``_longest_match``)."""
         found = self._longest_match(history)

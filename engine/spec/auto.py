@@ -43,13 +43,11 @@ import torch
 
 from metrale.engine.config import MtpLadder
 from metrale.engine.sequence import SeqState
-from metrale.engine.spec.budget import HOLD_MAX, SCORED_ROWS, Candidates, DraftBudget, tokens_left
+from metrale.engine.spec.budget import HOLD_MAX, Candidates, DraftBudget, tokens_left
 from metrale.engine.spec.copies import (
     CopyTaken,
-    bucket_width,
     copy_path_cap,
     propose_copy,
-    slot_copy_cap,
 )
 from metrale.engine.spec.cost import CostModel, calibrate_model
 from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
@@ -127,20 +125,6 @@ def take_planned_drafts(
     return took, offers
 
 
-def peek_copy(seq: SeqState, cfg: PromptLookupConfig | None, running: int) -> tuple[int, int]:
-    """``(length, agreement)`` of the copy ``seq`` would be offered next
-    with ``running`` sequences, without proposing it (``PromptLookupSeq.peek``);
-    ``(0, 0)`` where copies are off, under a grammar (its forced run comes
-    first), or before the sequence's lookup exists."""
-    lookup = seq.prompt_lookup
-    if cfg is None or running > cfg.max_seqs or lookup is None or seq.grammar is not None:
-        return 0, 0
-    length, agreement = lookup.peek(
-        seq.history, slot_copy_cap(seq, cfg, copy_path_cap(cfg, running))
-    )
-    return bucket_width(length) if length else 0, agreement
-
-
 def sequences_ahead(decoding: Sequence[SeqState], prefilling: Sequence[SeqState]) -> set[int]:
     """The slots of the ``decoding`` sequences that would finish before the
     slowest one, ``prefilling`` ones included, without another draft (module
@@ -199,7 +183,6 @@ class AutoPolicy:
         self._offers: list[Offer] = []
         self._ahead: set[int] = set()  # slots of the sequences ahead in a drain, this step
         self._released = 0  # held rows fed to the head this step
-        self._scoring = 0  # rows scored in this step's head forward
         self._snapshot: BudgetStats | None = None
         self._published = 0.0
 
@@ -260,7 +243,7 @@ class AutoPolicy:
     def before_head(self, batch: Sequence[SeqState], queues: Queues) -> None:
         """Chooses the chains worth this step's head forward together."""
         self._ahead = self._drain(batch, queues)
-        self._released = self._scoring = 0
+        self._released = 0
         seqs = [s for s in batch if not s.finished and s.slot not in self._ahead]
         if "share_head" not in self.without:
             self.budget.share_head(seqs, queues.running())
@@ -273,23 +256,15 @@ class AutoPolicy:
         rows: torch.Tensor,  # [len(next_ids), hidden_size]
         running: int,
     ) -> Feed | None:
-        """A resting chain's rows wait; a drafting one takes them all, and a
-        greedy one scores what it would have drafted at the rows it held."""
+        """A resting chain's rows wait; a drafting one takes them all."""
         budget = self.budget
         own = budget.for_seq(seq)
         if not budget.wants_chain(seq, running, seq.slot in self._ahead):
             own.hold(start, next_ids, rows)
             return None
-        scored = 0
-        scoring = "score_fed" not in self.without
-        if scoring and own.held_rows() and seq.request.params.greedy and not self._scoring:
-            scored = self._scoring = SCORED_ROWS  # one a forward: those rows' logits cost
         self._released += own.held_rows()
         start, next_ids, rows = own.release(start, next_ids, rows)
-        if "rival_copy" not in self.without:
-            length, agreement = peek_copy(seq, self.lookup, running)
-            budget.rival_copy(seq, length, agreement)
-        return DraftFeed(seq, start, next_ids, self.chain_len(seq, running), scored), rows
+        return DraftFeed(seq, start, next_ids, self.chain_len(seq, running)), rows
 
     def head_ran(self, feeds: Sequence[DraftFeed], forwards: int, seconds: float) -> None:
         self.budget.head_ran(forwards)

@@ -1,53 +1,41 @@
 """The draft budget: each step, how many drafts every sequence verifies and
 from which source, chosen from the measured cost of a verify row and the
-acceptance seen so far (``--draft-policy auto``).
+acceptance seen so far (``--draft-policy auto``; docs/design/speculation.md
+is its one-page description).
 
-Owner: the engine loop, which asks ``plan`` before the verify, reports the
-verify with ``observe`` and the step with ``end_step``; and the MTP drafter,
-which asks ``deeper`` before each further chain position.
+Owner: ``AutoPolicy`` (``auto.py``), which asks ``plan`` before the verify,
+reports the verify with ``observe`` and the step with ``end_step``; and the
+MTP drafter, which asks ``deeper`` before each further chain position.
 
-Estimates (``Rates``): the probability that a draft is accepted given that
-every draft before it was, per key: for prompt-lookup copies
-``("copy", position, agreement bin)`` (how many tokens before the copied
-stretch agreed with the sequence's own, binned: the longer the agreement,
-the likelier the copy) and ``("copy", position)``; for the MTP chain
-``("mtp", depth, confidence bin)`` (the module's own top probability,
-binned) and ``("mtp", depth)``. The run's estimate of a key starts from a
-coarser one (``_parent``: a bin from its position or depth, a position
-from the one before it), so what one key has seen informs those not seen
-yet. Each sequence keeps its own decayed counts, with the
-run-wide estimate as its prior, so a new sequence starts from what the run
-has seen and an old one follows its own text; for an MTP draft the prior
-holds more firmly (``SEQ_MTP_STRENGTH``), since the plan picks the
-sequences whose few latest drafts were right, and those fall back towards
-the run's figure. For a greedy request every draft
-source is scored after the verify
-against the tokens it produced, whether it was verified or not: a draft
-agrees with greedy output exactly when the verify would have accepted it, so
-a source the plan left out still learns, and can win again. A chain that
-rested and is fed its held rows again (a scout, a look, a start) also
-scores what the head would have drafted first at up to ``SCORED_ROWS`` of
-the rows it wrote meanwhile (``score_fed``; one such chain a head forward,
-since those rows' logits cost): one feed tells the run what a step's worth
-of running chains would.
+Estimates (``Rates``, one set for the run): the probability that a draft is
+accepted given that every draft before it was, per key: for prompt-lookup
+copies ``("copy", position, agreement bin)`` (how many tokens before the
+copied stretch agreed with the sequence's own) and ``("copy", position)``;
+for the MTP chain ``("mtp", depth, confidence bin)`` (the module's own top
+probability) and ``("mtp", depth)``. A key's estimate starts from a coarser
+one (``_parent``: a bin from its position or depth, a position from the one
+before it), so what one key has seen informs those not seen yet. For a
+greedy request every source is scored after the verify against the tokens
+it produced, whether it was verified or not: a draft agrees with greedy
+output exactly when the verify would have accepted it, so a source the plan
+left out still learns.
 
 The plan (``plan.py``): a grammar's forced drafts and one bonus token per
-sequence are sure; each sequence's MTP chain and its copy (when it has one)
-are candidate prefixes with their expected accepted tokens; the allocation
-maximising expected tokens over the predicted step time (``cost.py``) wins.
+sequence are sure; each sequence's MTP chain and its copy are candidate
+prefixes with their expected accepted tokens; the allocation maximising
+expected tokens over the predicted step time (``cost.py``) wins.
 
-The chain: the head forward that takes a verify's rows drafts for the
-sequences whose chains are worth it together (``share_head``: it costs little
-more for many sequences than for one); the first MTP draft comes with that
-forward, so it is always drafted; the head runs one more position for a
-sequence only when the draft there, with every one before it, is likely
-enough to be worth its verify row at the current rate, and only while the
-copy the sequence will be offered next, as long or shorter, is not expected to
-accept as many (``deeper``, ``rival_copy``): the plan would take the copy.
+The chain: the head forward after a verify drafts for the sequences whose
+chains are worth it together (``share_head``: a forward costs little more for
+many sequences than for one); a chain not worth it rests and holds its rows,
+looks again now and then (``wants_chain``), and the head takes every held
+row when it drafts for it again. A chain runs one more position only where
+that draft, with every one before it, is worth its verify row and its share
+of the head forward (``deeper``).
 
 Exactness: the plan only decides how many drafts a verify checks. For a
 sampled request nothing it uses depends on a draft's draw: its first draft is
-scored by the confidence of the distribution it is drawn from, before the
+priced by the confidence of the distribution it is drawn from, before the
 draw, and later ones by their depth alone.
 """
 
@@ -76,13 +64,9 @@ Key = tuple[object, ...]
 #   it pays its share, or once HOLD_MAX rows wait);
 # share_head: the chains of a step are priced together against the head
 #   forward they share (else each against a forward of its own);
-# score_fed: a chain fed its held rows scores the first drafts it would have
-#   made there;
 # drain: in a drain, the sequences ahead draft no MTP chain;
-# rival_copy: no chain position runs where the copy to come is worth as much;
 # deeper: the chain stops where a draft does not pay its row (else it runs to
 #   its cap and the plan alone cuts it);
-# seq_rates: each sequence's own estimates over the run's (else the run's);
 # confidence: an MTP draft is priced by its confidence bin (else its depth);
 # agreement: a copy is priced by its agreement bin (else its position).
 MECHANISMS = frozenset(
@@ -90,11 +74,8 @@ MECHANISMS = frozenset(
         "rest",
         "looks",
         "share_head",
-        "score_fed",
         "drain",
-        "rival_copy",
         "deeper",
-        "seq_rates",
         "confidence",
         "agreement",
     }
@@ -111,14 +92,6 @@ CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.85, 0.95)
 FIRST_PRIOR = 0.5
 RUN_STRENGTH = 2.0
 RUN_DECAY = 0.995
-# A sequence's own counts: how firmly the run's estimate holds it, and how
-# fast its past fades.
-SEQ_STRENGTH = 3.0
-SEQ_DECAY = 0.9
-# How firmly the run's estimate holds a sequence's own for an MTP draft: the
-# plan picks the sequences whose few recent drafts were right, and what it
-# picks falls back towards the run's figure.
-SEQ_MTP_STRENGTH = 12.0
 # How fast the head forwards a step whose chains ran follows the latest.
 FORWARDS_ALPHA = 0.2
 # The chain goes one position deeper when that draft's worth pays its head
@@ -136,9 +109,6 @@ VALUE_ALPHA = 0.2
 EXPLORE_EVERY = 8
 EXPLORE_MAX = 64
 HOLD_MAX = 512
-# A chain that rested scores the first drafts the head would have made at up
-# to this many of the rows it is fed again (``score_fed``).
-SCORED_ROWS = 8
 
 
 def tokens_left(seq: SeqState) -> int:
@@ -166,29 +136,19 @@ def _parent(key: Key) -> Key | None:
 
 
 class Rates:
-    """Decayed (accepted, seen) counts per key, over a prior (module doc)."""
+    """Decayed (accepted, seen) counts per key, each over its parent's estimate
+    (module doc)."""
 
-    def __init__(
-        self,
-        decay: float,
-        strength: float,
-        prior: Rates | None = None,
-        mtp_strength: float | None = None,  # an MTP key's, where not ``strength``
-    ) -> None:
-        self.decay, self.strength, self.prior = decay, strength, prior
-        self.mtp_strength = strength if mtp_strength is None else mtp_strength
+    def __init__(self, decay: float, strength: float) -> None:
+        self.decay, self.strength = decay, strength
         self._counts: dict[Key, tuple[float, float]] = {}
         self.observed = 0  # observations so far: a figure derived from these keeps till it moves
 
     def rate(self, key: Key) -> float:
         accepted, seen = self._counts.get(key, (0.0, 0.0))
-        if self.prior is not None:
-            base = self.prior.rate(key)
-        else:
-            parent = _parent(key)
-            base = self.rate(parent) if parent is not None else FIRST_PRIOR
-        strength = self.mtp_strength if key[0] == "mtp" else self.strength
-        return (accepted + strength * base) / (seen + strength)
+        parent = _parent(key)
+        base = self.rate(parent) if parent is not None else FIRST_PRIOR
+        return (accepted + self.strength * base) / (seen + self.strength)
 
     def counts(self, key: Key) -> tuple[float, float]:
         """The decayed (accepted, seen) counts of ``key`` itself."""
@@ -198,8 +158,6 @@ class Rates:
         old_accepted, old_seen = self._counts.get(key, (0.0, 0.0))
         self._counts[key] = (old_accepted * self.decay + accepted, old_seen * self.decay + 1.0)
         self.observed += 1
-        if self.prior is not None:
-            self.prior.observe(key, accepted)
 
 
 @dataclass
@@ -211,9 +169,6 @@ class SeqBudget:
     chain_keys: list[Key] = field(default_factory=list)  # one per MTP draft, in order
     chain_odds: float = 1.0  # the chance every chain draft so far is accepted
     chain_gain: float = 0.0  # expected accepted drafts of the chain so far
-    # Expected accepted drafts of the copy this sequence will be offered, by its
-    # length (``DraftBudget.rival_copy``); [] when none.
-    copy_rival: list[float] = field(default_factory=list)
     # Expected tokens a step the chain added over the other source: decayed
     # over the steps whose plan could choose it; None before its chain first
     # ran (``DraftBudget.predicted_value`` stands for it).
@@ -351,11 +306,7 @@ class DraftBudget:
         (``predicted_value`` stands for it)."""
         own = self._seqs.get(seq)
         if own is None:
-            strength, mtp_strength = SEQ_STRENGTH, SEQ_MTP_STRENGTH
-            if "seq_rates" in self.without:
-                strength = mtp_strength = 1e12  # the run's estimate whatever it saw
-            own = SeqBudget(Rates(SEQ_DECAY, strength, self.rates, mtp_strength=mtp_strength))
-            self._seqs[seq] = own
+            own = self._seqs[seq] = SeqBudget(self.rates)
         return own
 
     def predicted_value(self, seq: SeqState, live: int = 1) -> float:
@@ -650,29 +601,6 @@ class DraftBudget:
         a head forward of its own (``wants_chain``: such looks go one a step)."""
         return budget.held_rows() * self.costs.held_row_s() > self.costs.head.predict(1)
 
-    def score_fed(self, seq: SeqState, reads: Sequence[tuple[bool, float]]) -> None:
-        """Scores, as first drafts, what the head would have drafted at rows
-        a resting chain was fed again (``MtpDrafter``, ``SCORED_ROWS``): per
-        row, whether its top token is the one the sequence wrote there and that
-        token's probability. A first draft is drafted from the row of the
-        latest final token, as these were, and a greedy sequence accepts it
-        exactly when it is that token; so a scout or a look learns from a
-        step's worth of rows what it would otherwise take a step's worth of
-        running chains to learn. Greedy sequences only (``Engine``)."""
-        rates = self.for_seq(seq).rates
-        for agreed, top_prob in reads:
-            key: Key = ("mtp", 0, confidence_bin(top_prob))
-            rates.observe(key, agreed)
-            rates.observe(key[:2], agreed)
-
-    def rival_copy(self, seq: SeqState, length: int, agreement: int) -> None:
-        """The copy ``seq`` will be offered next (``length`` drafts, 0: none):
-        a chain position is not run where a copy of as many drafts or fewer
-        is expected to accept as many (``deeper``), since the plan would
-        take the copy and the head forward would be spent for nothing."""
-        budget = self.for_seq(seq)
-        budget.copy_rival = budget.copy_gains(length, agreement) if length else []
-
     def _marginal(self, rows: int, seqs: int) -> float:
         step = max(seqs, 1)
         verify = self.costs.verify
@@ -702,9 +630,6 @@ class DraftBudget:
         if "deeper" in self.without:
             return True
         worth = budget.chain_odds * budget.rates.rate(("mtp", depth))
-        rival = budget.copy_rival
-        if rival and rival[min(depth, len(rival) - 1)] >= budget.chain_gain + worth:
-            return False  # a copy of as many drafts or fewer is worth as much
         head = self.costs.head.predict(live) / max(live, 1)
         return worth >= self.rate_s * (ROW_SHARE * self.marginal_s + head)
 

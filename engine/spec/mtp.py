@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from metrale.engine.runtime.model import ForwardOutput, MtpModule, Segment
+from metrale.engine.runtime.model import MtpModule, Segment
 from metrale.engine.sampling import draw, target_probs
 from metrale.engine.sequence import SeqState
 
@@ -82,22 +82,10 @@ class DraftFeed:
     start: int
     next_ids: Sequence[int]
     num_drafts: int
-    # Rows before the last whose first draft the budget is told of, at most
-    # (``MtpDrafter._forward_scoring``): a chain that rested and takes its
-    # held rows again.
-    scored: int = 0
 
     @property
     def end(self) -> int:
         return self.start + len(self.next_ids)
-
-    def scored_rows(self) -> range:
-        """The rows (0-based in the feed) whose first draft is scored: the
-        last ``scored`` before the last row that predict a token the sequence
-        wrote (row ``j`` predicts token ``start + j + 2``, ``next_ids[j + 1]``;
-        a prompt token is the user's text, not the model's)."""
-        last = len(self.next_ids) - 1
-        return range(max(0, last - self.scored, self.seq.prompt_len - 2 - self.start), last)
 
 
 class MtpDrafter:
@@ -163,7 +151,7 @@ class MtpDrafter:
         module = self.modules[0]
         segments = [Segment(f.seq.slot, f.start, list(f.next_ids)) for f in feeds]
         sizes = [len(f.next_ids) for f in feeds]
-        out = self._forward_scoring(module, segments, hidden, feeds, list(range(len(feeds))), sizes)
+        out = module.forward(segments, hidden, logits="last")
         self.forwards += 1
         # out.logits: [num_feeds, vocab]; out.hidden: [num_tokens, hidden_size]
         ends = torch.tensor(sizes).cumsum(0) - 1  # [num_feeds]
@@ -229,10 +217,7 @@ class MtpDrafter:
             if not fed:
                 continue
             segments = [Segment(feeds[i].seq.slot, *rows[i]) for i in fed]
-            if depth == 0:  # its rows are the feeds' own
-                out = self._forward_scoring(module, segments, rows_in, feeds, fed, sizes)
-            else:
-                out = module.forward(segments, rows_in, logits="last")
+            out = module.forward(segments, rows_in, logits="last")
             self.forwards += 1
             # out.logits: [num_fed, vocab]; out.hidden: [num_rows, hidden_size]
             for i, piece in zip(fed, out.hidden.split(sizes), strict=True):
@@ -242,42 +227,6 @@ class MtpDrafter:
                 index = torch.tensor(live, device=out.logits.device)
                 logits = out.logits[index]  # [num_live, vocab]
                 self._choose(feeds, [fed[n] for n in live], logits, depth, drafts, probs)
-
-    def _forward_scoring(
-        self,
-        module: MtpModule,
-        segments: list[Segment],
-        rows_in: torch.Tensor,  # [sum(sizes), hidden_size]
-        feeds: Sequence[DraftFeed],
-        fed: list[int],  # the feeds the segments are of, in order
-        sizes: list[int],  # their rows
-    ) -> ForwardOutput:
-        """Module 0's forward over the feeds' own rows, logits of each one's
-        last row (as ``logits="last"``); for a feed with ``scored`` rows
-        (``DraftFeed.scored_rows``), the budget is also told what the module
-        would have drafted first at those rows, against the token that came
-        (``DraftBudget.score_fed``): a chain that rested learns from every
-        row it is fed again rather than from its one next draft, at the cost
-        of those rows' logits."""
-        budget = self.budget
-        picks: list[tuple[int, int, int]] = []  # (feed, row of the forward, token it predicts)
-        at = 0
-        for i, size in zip(fed, sizes, strict=True):
-            feed = feeds[i]
-            picks += [(i, at + j, feed.next_ids[j + 1]) for j in feed.scored_rows()]
-            at += size
-        if budget is None or not picks:
-            return module.forward(segments, rows_in, logits="last")
-        ends = torch.tensor(sizes).cumsum(0) - 1
-        index = torch.cat([ends, torch.tensor([row for _, row, _ in picks])])
-        out = module.forward(segments, rows_in, logits=index)
-        argmax, top, _ = self._greedy_reads(out.logits[len(fed) :], gate=False)
-        reads: dict[int, list[tuple[bool, float]]] = {}
-        for (i, _, token), draft, prob in zip(picks, argmax, top, strict=True):
-            reads.setdefault(i, []).append((draft == token, prob))
-        for i, seen in reads.items():
-            budget.score_fed(feeds[i].seq, seen)
-        return ForwardOutput(logits=out.logits[: len(fed)], hidden=out.hidden)
 
     def _handed_on(
         self,

@@ -350,16 +350,6 @@ def test_longest_copy_prefers_the_longer_agreement_to_the_latest_occurrence():
     assert seq.agreement == 2
 
 
-@settings(max_examples=100, deadline=None)
-@given(histories, max_lens)
-def test_peek_tells_the_proposal_without_putting_it_in_flight(history, max_len):
-    seq = make_longest()
-    expected = reference_longest(history, max_len)
-    assert seq.peek(history, max_len) == ((len(expected[0]), expected[1]) if expected else (0, 0))
-    assert seq.in_flight == 0
-    assert proposed(seq, history, max_len) == expected
-
-
 def test_a_longest_copy_that_misses_leaves_no_cooldown():
     seq = make_longest()
     for _ in range(4):

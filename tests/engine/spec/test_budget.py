@@ -16,20 +16,14 @@ from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine
 from metrale.engine.load.loader import load_model
 from metrale.engine.prompts import user_prompt_ids
-from metrale.engine.runtime.model import ForwardOutput, MtpLogitRows, Segment
 from metrale.engine.sequence import SeqState
-from metrale.engine.spec.auto import AutoPolicy
 from metrale.engine.spec.budget import (
     MECHANISMS,
-    RUN_DECAY,
-    SCORED_ROWS,
-    SEQ_DECAY,
     Candidates,
     DraftBudget,
 )
 from metrale.engine.spec.copies import BATCHED_COPY_MAX
 from metrale.engine.spec.cost import CostModel
-from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 from metrale.engine.spec.plan import Plan
 from metrale.lookup import PromptLookupConfig
 from tests.support.engine_runs import check_figures_add_up
@@ -39,7 +33,6 @@ from tests.support.fake_model import (
     FakeClock,
     FakeModel,
     FakeMtp,
-    MtpMode,
     nearly_free_rows,
     reference_greedy,
 )
@@ -142,28 +135,6 @@ def test_the_head_forward_runs_the_chains_worth_it_together() -> None:
     assert not budget.wants_chain(lines[0], 16, ahead=True)
 
 
-def test_a_lines_own_mtp_estimate_holds_to_the_runs_more_firmly_than_its_copies() -> None:
-    # The run has seen first drafts in one bin right half the time; one line's
-    # last three there were right. Its copy estimate follows its own text
-    # (strength 3); its MTP estimate moves less than half as far (strength 12).
-    budget = DraftBudget(CostModel(FakeClock()))
-    for i in range(400):
-        budget.rates.observe(("mtp", 0, 2), i % 2 == 0)
-        budget.rates.observe(("copy", 1), i % 2 == 0)
-    own = budget.for_seq(a_line()).rates
-    for _ in range(3):
-        own.observe(("mtp", 0, 2), True)
-        own.observe(("copy", 1), True)
-    run_mtp, run_copy = budget.rates.rate(("mtp", 0, 2)), budget.rates.rate(("copy", 1))
-    assert own.rate(("copy", 1)) == pytest.approx(
-        (own.counts(("copy", 1))[0] + 3 * run_copy) / (own.counts(("copy", 1))[1] + 3)
-    )
-    assert own.rate(("mtp", 0, 2)) == pytest.approx(
-        (own.counts(("mtp", 0, 2))[0] + 12 * run_mtp) / (own.counts(("mtp", 0, 2))[1] + 12)
-    )
-    assert 0 < own.rate(("mtp", 0, 2)) - run_mtp < 0.5 * (own.rate(("copy", 1)) - run_copy)
-
-
 def test_a_chain_not_valued_yet_is_priced_by_its_first_drafts_confidence() -> None:
     # At 4 sequences a first draft's row costs 0.25 token (four_sequence_costs).
     _, budget = four_sequence_costs()
@@ -178,53 +149,6 @@ def test_a_chain_not_valued_yet_is_priced_by_its_first_drafts_confidence() -> No
     expected = 0.5 * (budget.for_seq(seq).rates.rate(("mtp", 0, 5)) - 0.25)
     assert budget.predicted_value(seq, 4) == pytest.approx(expected)
     assert budget.predicted_value(seq, 4) == pytest.approx(0.5 * (0.9 - 0.25), abs=0.02)
-    # A line whose own top-bin drafts fail is expected to add less.
-    other = a_line(slot=1)
-    for _ in range(10):
-        budget.for_seq(other).rates.observe(("mtp", 0, 5), False)
-    assert budget.predicted_value(other, 4) < budget.predicted_value(seq, 4)
-
-
-def test_a_chain_fed_its_held_rows_scores_the_first_drafts_it_would_have_made_there() -> None:
-    model = FakeModel()
-    prompt = PROMPTS[1]
-    history = [*prompt, *reference_greedy(model, prompt, 12)]
-    written = len(history) - len(prompt)
-
-    def feed(mode: MtpMode, scored: int) -> tuple[DraftBudget, SeqState]:
-        budget, head = DraftBudget(CostModel(FakeClock())), FakeMtp(model, mode=mode)
-        request = Request("r", tuple(prompt), SamplingParams(max_tokens=16))
-        seq = SeqState(request, 0, 128, frozenset(), None, None, history=list(history))
-        seq.seq_len = len(history) - 1  # the last token written is last_token
-        # The main model's hidden rows at every position fed: prompt and all.
-        hidden = torch.tensor([model.encode(history[: p + 1]) for p in range(seq.seq_len)])
-        drafter = MtpDrafter(head, budget=budget)
-        drafter.feed_and_draft([DraftFeed(seq, 0, history[1:], 1, scored)], hidden)
-        return budget, seq
-
-    def seen(n: int) -> float:
-        return sum(RUN_DECAY**k for k in range(n))
-
-    # Every row whose next token but one the line wrote is scored, and no
-    # prompt token is: each agrees exactly when the head's top token is it.
-    cases: tuple[tuple[MtpMode, int], ...] = (("right", written), ("wrong", 0))
-    for mode, agreed in cases:
-        budget, _ = feed(mode, 100)
-        accepted, count = budget.rates.counts(("mtp", 0))
-        assert count == pytest.approx(seen(written))
-        assert accepted == pytest.approx(seen(agreed) if agreed else 0.0)
-    # Only the last ``scored``, and each in the bin of its confidence too.
-    budget, seq = feed("right", 3)
-    assert budget.rates.counts(("mtp", 0))[1] == pytest.approx(seen(3))
-    # The line's own estimate moves with the run's.
-    own = budget.for_seq(seq).rates.counts(("mtp", 0))
-    assert own[1] == pytest.approx(sum(SEQ_DECAY**k for k in range(3)))
-    bins = sum(budget.rates.counts(("mtp", 0, b))[1] for b in range(6))
-    assert bins == pytest.approx(3, abs=0.02)  # decayed per bin
-    # Without ``scored`` nothing is scored at the feed: the draft after the
-    # last row is scored after its verify.
-    budget, _ = feed("right", 0)
-    assert budget.rates.counts(("mtp", 0)) == (0.0, 0.0)
 
 
 def test_the_heads_forwards_are_kept_out_of_the_rest_of_the_step() -> None:
@@ -265,23 +189,6 @@ def test_a_copy_is_priced_by_how_long_its_source_agreed() -> None:
     copy = [1, 2, 3, 4]
     assert budget.plan([Candidates(seq, 1, [], copy, agreement=2)]) == [("none", 0)]
     assert budget.plan([Candidates(seq, 1, [], copy, agreement=16)]) == [("copy", 4)]
-
-
-def test_no_chain_position_is_run_where_a_copy_as_long_is_worth_as_much() -> None:
-    _, budget = one_sequence_costs()
-    budget.plan([Candidates(a_line(), 1, [], [])])  # sets the rate the chain is priced at
-    seq = a_line()
-    budget.start_chain(seq)
-    budget.drafted(seq, 0, None)  # the first draft, at the run's prior: 0.5
-    assert budget.deeper(seq, 1, 1)  # no copy: a second draft is worth its row and forward
-    own = budget.for_seq(seq)
-    chain_of_two = own.chain_gain + own.chain_odds * budget.rates.rate(("mtp", 1))
-    own.copy_rival = [0.9, chain_of_two - 0.01]
-    assert budget.deeper(seq, 1, 1)  # the copy of two drafts is worth less
-    own.copy_rival = [0.9, chain_of_two]
-    assert not budget.deeper(seq, 1, 1)
-    own.copy_rival = [chain_of_two]  # a copy of one draft, as good as a chain of two
-    assert not budget.deeper(seq, 1, 1)
 
 
 def test_resting_chains_look_in_the_same_step() -> None:
@@ -352,42 +259,6 @@ def test_looks_that_feed_the_head_more_than_a_forward_go_one_a_step() -> None:
     # (by then the first holds 8 rows, and looks with the light ones).
     assert looks[2] == looks[3] == [8, 16]
     assert looks[0] == [8, 16] and looks[1] == [16]
-
-
-def test_a_head_forward_scores_the_rows_of_one_chain_that_rested_and_nothing_changes() -> None:
-    engine, model = costed_engine("cpu", mtp_mode="mixed")
-    assert engine._drafter is not None
-    head = engine._drafter.modules[0]
-    assert isinstance(head, CostedMtp)
-    asked: list[int] = []  # rows a forward asked logits of beyond one a feed
-    forward = head.forward
-
-    def recorded(
-        segments: Sequence[Segment], hidden: torch.Tensor, logits: MtpLogitRows = "all"
-    ) -> ForwardOutput:
-        if isinstance(logits, torch.Tensor):
-            asked.append(len(logits) - len(segments))
-        return forward(segments, hidden, logits)
-
-    head.forward = recorded  # type: ignore[method-assign]
-    assert isinstance(engine.policy, AutoPolicy)
-    budget = engine.policy.budget
-    reads: list[tuple[bool, float]] = []
-    score_fed = budget.score_fed
-
-    def scored(seq: SeqState, seen: Sequence[tuple[bool, float]]) -> None:
-        reads.extend(seen)
-        score_fed(seq, seen)
-
-    budget.score_fed = scored  # type: ignore[method-assign,assignment]
-    prompts = [p * 2 for p in PROMPTS]
-    assert generate(engine, prompts, 60) == [reference_greedy(model, p, 60) for p in prompts]
-    # Chains rested and were fed again, each such forward scoring at most
-    # ``SCORED_ROWS`` rows however many chains it took back, and every row
-    # asked for was scored: the mixed head right at some, wrong at others.
-    assert asked and all(0 < rows <= SCORED_ROWS for rows in asked)
-    assert len(reads) == sum(asked)
-    assert {agreed for agreed, _ in reads} == {True, False}
 
 
 def test_where_drafts_do_not_pay_the_head_reads_no_prompt() -> None:
