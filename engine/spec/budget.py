@@ -41,7 +41,6 @@ draw, and later ones by their depth alone.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -52,10 +51,22 @@ import torch
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.copies import bucket_width
 from metrale.engine.spec.cost import CostModel
+from metrale.engine.spec.estimates import (
+    CONFIDENCE_EDGES,
+    COPY_POSITIONS,
+    RUN_DECAY,
+    RUN_STRENGTH,
+    Key,
+    Rates,
+    accepted_prefix,
+    confidence_bin,
+    copy_key,
+    copy_keys,
+    cumulative,
+    score,
+)
 from metrale.engine.spec.plan import Plan, best_plan
 from metrale.engine.stats import BudgetStats
-
-Key = tuple[object, ...]
 
 # The mechanisms an ablation may turn off (``DraftBudget(without=...)``):
 # rest: a chain that does not pay rests and holds its rows (else every chain
@@ -80,18 +91,6 @@ MECHANISMS = frozenset(
         "agreement",
     }
 )
-# Copy positions beyond this share one estimate.
-COPY_POSITIONS = 8
-# Upper edges (exclusive) of the bins a copy is scored in by the tokens its
-# source agreed on before it.
-AGREEMENT_EDGES = (2, 3, 4, 8, 16)
-# Upper edges of the confidence bins an MTP draft is scored in.
-CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.85, 0.95)
-# What a run believes of a first draft before it has seen one, and how
-# firmly every estimate holds to the one it starts from (in drafts).
-FIRST_PRIOR = 0.5
-RUN_STRENGTH = 2.0
-RUN_DECAY = 0.995
 # How fast the head forwards a step whose chains ran follows the latest.
 FORWARDS_ALPHA = 0.2
 # The chain goes one position deeper when that draft's worth pays its head
@@ -115,49 +114,6 @@ def tokens_left(seq: SeqState) -> int:
     """The most tokens ``seq`` may still write: by ``max_tokens`` and its slot's room."""
     room = seq.max_len - max(seq.seq_len, seq.prompt_len)
     return min(room, seq.request.params.max_tokens - len(seq.output_ids))
-
-
-def confidence_bin(top_prob: float) -> int:
-    for index, edge in enumerate(CONFIDENCE_EDGES):
-        if top_prob < edge:
-            return index
-    return len(CONFIDENCE_EDGES)
-
-
-def _parent(key: Key) -> Key | None:
-    """The estimate a key's own starts from: an MTP draft's confidence bin
-    from its depth; a depth, or a copy position, from the one before it (a
-    chain that has held so far is believed to hold on); None: ``FIRST_PRIOR``."""
-    if len(key) == 3:
-        return key[:2]
-    position = int(key[1])  # type: ignore[call-overload]
-    first = 0 if key[0] == "mtp" else 1
-    return (key[0], position - 1) if position > first else None
-
-
-class Rates:
-    """Decayed (accepted, seen) counts per key, each over its parent's estimate
-    (module doc)."""
-
-    def __init__(self, decay: float, strength: float) -> None:
-        self.decay, self.strength = decay, strength
-        self._counts: dict[Key, tuple[float, float]] = {}
-        self.observed = 0  # observations so far: a figure derived from these keeps till it moves
-
-    def rate(self, key: Key) -> float:
-        accepted, seen = self._counts.get(key, (0.0, 0.0))
-        parent = _parent(key)
-        base = self.rate(parent) if parent is not None else FIRST_PRIOR
-        return (accepted + self.strength * base) / (seen + self.strength)
-
-    def counts(self, key: Key) -> tuple[float, float]:
-        """The decayed (accepted, seen) counts of ``key`` itself."""
-        return self._counts.get(key, (0.0, 0.0))
-
-    def observe(self, key: Key, accepted: bool) -> None:
-        old_accepted, old_seen = self._counts.get(key, (0.0, 0.0))
-        self._counts[key] = (old_accepted * self.decay + accepted, old_seen * self.decay + 1.0)
-        self.observed += 1
 
 
 @dataclass
@@ -205,56 +161,14 @@ class SeqBudget:
         return self._held_count
 
     def chain_gains(self, drafts: int) -> list[float]:
-        return _cumulative(self.rates.rate(k) for k in self.chain_keys[:drafts])
+        return cumulative(self.rates.rate(k) for k in self.chain_keys[:drafts])
 
     def copy_gains(self, drafts: int, agreement: int = 0) -> list[float]:
         """A copy of 4 or more is verified at a power-of-two width only
         (``copies.bucket_copy``): a width between gains no more than the one
         below it, so the plan never picks it."""
-        gains = _cumulative(self.rates.rate(k) for k in _copy_keys(drafts, agreement))
+        gains = cumulative(self.rates.rate(k) for k in copy_keys(drafts, agreement))
         return [gains[bucket_width(n) - 1] for n in range(1, drafts + 1)]
-
-
-def _copy_key(position: int, agreement: int = 0) -> Key:
-    key: Key = ("copy", min(position, COPY_POSITIONS))
-    return key if agreement <= 0 else (*key, agreement_bin(agreement))
-
-
-def _copy_keys(drafts: int, agreement: int = 0) -> list[Key]:
-    return [_copy_key(j, agreement) for j in range(1, drafts + 1)]
-
-
-def agreement_bin(agreement: int) -> int:
-    for index, edge in enumerate(AGREEMENT_EDGES):
-        if agreement < edge:
-            return index
-    return len(AGREEMENT_EDGES)
-
-
-def _prefix(agreed: Sequence[bool]) -> list[bool]:
-    """``agreed`` up to its first False: the drafts a verify would accept."""
-    return list(itertools.takewhile(bool, agreed))
-
-
-def _score(rates: Rates, keys: Sequence[Key], proposed: int, accepted: int) -> None:
-    """Observes drafts ``1..proposed`` of ``keys`` after a verify that accepted
-    the first ``accepted``: each one reached (all before it accepted) counts,
-    and an MTP draft's confidence bin counts for its depth too."""
-    for j in range(min(proposed, accepted + 1, len(keys))):
-        ok = j < accepted
-        rates.observe(keys[j], ok)
-        if len(keys[j]) == 3:
-            rates.observe(keys[j][:2], ok)
-
-
-def _cumulative(odds: Iterable[float]) -> list[float]:
-    """Expected accepted drafts for 1..n drafts of conditional odds ``odds``."""
-    gains, reach, total = [], 1.0, 0.0
-    for p in odds:
-        reach *= p
-        total += reach
-        gains.append(total)
-    return gains
 
 
 @dataclass(frozen=True)
@@ -647,18 +561,18 @@ class DraftBudget:
         its verify ``produced`` after the sure rows (module doc): each draft
         agrees with greedy output exactly when the verify would accept it."""
         budget = self.for_seq(seq)
-        copy_keys = _copy_keys(len(copy), agreement)
-        for keys, drafts in ((budget.chain_keys, chain), (copy_keys, copy)):
+        copied = copy_keys(len(copy), agreement)
+        for keys, drafts in ((budget.chain_keys, chain), (copied, copy)):
             agreed = [d == t for d, t in zip(drafts, produced, strict=False)]
-            _score(budget.rates, keys, len(agreed), len(_prefix(agreed)))
+            score(budget.rates, keys, len(agreed), len(accepted_prefix(agreed)))
 
     def observe_counts(
         self, seq: SeqState, source: str, proposed: int, accepted: int, agreement: int = 0
     ) -> None:
         """A sampled sequence's verified drafts: only what was verified is known."""
         budget = self.for_seq(seq)
-        keys = budget.chain_keys if source == "mtp" else _copy_keys(proposed, agreement)
-        _score(budget.rates, keys, proposed, accepted)
+        keys = budget.chain_keys if source == "mtp" else copy_keys(proposed, agreement)
+        score(budget.rates, keys, proposed, accepted)
 
     def end_step(self, measured_s: float, verify_s: float, head_s: float = 0.0) -> None:
         """A step that verified: its measured time against the plan's, both
@@ -685,7 +599,7 @@ class DraftBudget:
             predicted_ms=1e3 * self._predicted_s / self._steps if self._steps else 0.0,
             measured_ms=1e3 * self._measured_s / self._steps if self._steps else 0.0,
             copy_acceptance=tuple(
-                self.rates.rate(_copy_key(j)) for j in range(1, COPY_POSITIONS + 1)
+                self.rates.rate(copy_key(j)) for j in range(1, COPY_POSITIONS + 1)
             ),
             mtp_acceptance=tuple(self.rates.rate(("mtp", d)) for d in range(3)),
         )
