@@ -141,10 +141,9 @@ def test_the_device_chain_drafts_what_the_host_drafter_drafts(
         assert device[key] == host[key], key
 
 
-def test_one_readback_and_no_blocking_upload_per_decode_step(
-    checkpoints: dict[str, Path],
-) -> None:
-    engine = _engine(checkpoints["mimo"], "device")
+def _syncs_per_decode_step(engine: Engine) -> list[tuple[int, int]]:
+    """(readbacks, blocking uploads) of each decode step of four requests,
+    after the step that admits and prefills them all."""
     engine._queues.waiting.extend(_requests(4, SamplingParams(max_tokens=16), repeat=True))
     engine._step()  # admission and prefill: every prompt fits one chunk
     assert not engine._queues.prefilling
@@ -153,6 +152,14 @@ def test_one_readback_and_no_blocking_upload_per_decode_step(
         with count_syncs() as syncs:
             engine._step()
         counts.append((syncs.readbacks, syncs.uploads))
+    return counts
+
+
+def test_one_readback_and_no_blocking_upload_per_decode_step(
+    checkpoints: dict[str, Path],
+) -> None:
+    engine = _engine(checkpoints["mimo"], "device")
+    counts = _syncs_per_decode_step(engine)
     assert len(counts) >= 5
     assert set(counts) == {(1, 0)}, counts
     assert engine.stats().mtp_proposed > 0 and engine.stats().prompt_lookup.total.proposed > 0
@@ -348,12 +355,6 @@ def test_the_draft_budget_on_the_device_step_reads_back_once_a_step(
 ) -> None:
     engine = _engine(checkpoints["mimo"], "device", draft_policy="auto")
     engine.calibrate()
-    engine._queues.waiting.extend(_requests(4, SamplingParams(max_tokens=16), repeat=True))
-    engine._step()
-    counts: list[tuple[int, int]] = []
-    while engine._queues.decoding:
-        with count_syncs() as syncs:
-            engine._step()
-        counts.append((syncs.readbacks, syncs.uploads))
+    counts = _syncs_per_decode_step(engine)
     assert len(counts) >= 5
     assert set(counts) == {(1, 0)}, counts
