@@ -41,10 +41,10 @@ from metrale.engine.spec.matcher import GrammarMatcher
 from metrale.engine.spec.policy import DraftPolicy, FixedPolicy
 from metrale.engine.stats import EngineStats, RunCounters
 from metrale.engine.step import Queues, Step, StepTimes
-from metrale.engine.step.books import Books
+from metrale.engine.step.books import Books, StepSetup
 from metrale.engine.step.device import DeviceStep, device_lookup
 from metrale.engine.step.device_verify import device_verify_for
-from metrale.engine.step.host import HostStep, StepSetup
+from metrale.engine.step.host import HostStep
 from metrale.lookup import LookupStats, ScopeKey, SharedLookup
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""What a verify does to a sequence, whichever path ran it.
+"""What both step paths share: their set-up, the prefill's chunk, the drafts
+phase, and what a verify does to a sequence.
 
 Contract: ``Books.settle`` is the one place a verify's outcome lands on a
 sequence: the kept drafts and the bonus token are emitted (stopping at EOS,
@@ -10,11 +11,35 @@ only its own drafts. Both steps call it, so their outputs and counters agree.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from metrale.engine.runtime.model import Model, Segment
 from metrale.engine.sequence import Decode, SeqState
-from metrale.engine.spec.copies import copy_in_flight, drafter_accepted
+from metrale.engine.spec.constrained import take_forced
+from metrale.engine.spec.copies import CopyTaken, copy_in_flight, drafter_accepted
 from metrale.engine.spec.grammar import GrammarError
+from metrale.engine.spec.mtp import MtpDrafter
+from metrale.engine.spec.policy import DraftPolicy
 from metrale.engine.stats import RunCounters
+from metrale.lookup import LookupStats, SharedLookup
+
+if TYPE_CHECKING:
+    from metrale.engine.step import Queues
+
+
+@dataclass
+class StepSetup:
+    """What either step is built from (``Engine`` makes it once)."""
+
+    model: Model
+    policy: DraftPolicy
+    drafter: MtpDrafter | None  # None: no MTP modules, MTP off, or the device step
+    books: Books
+    copies: LookupStats  # the run's copy figures
+    shared: SharedLookup | None
+    prefill_chunk: int
+    forced_drafts: bool
 
 
 class Books:
@@ -89,3 +114,32 @@ def truncate_drafts(seq: SeqState, keep: int) -> None:
     if len(seq.pending_drafts) > keep:
         probs = seq.pending_probs[:keep] if seq.pending_probs is not None else None
         seq.set_drafts(seq.pending_drafts[:keep], probs if keep else None)
+
+
+def prompt_chunk(
+    prefilling: Iterable[SeqState], budget: int, short: int
+) -> tuple[list[Segment], list[SeqState]]:
+    """The prefill's next chunk: up to ``budget`` prompt tokens, oldest
+    request first, each prompt read up to ``short`` tokens before its end."""
+    segments, chunked = [], []
+    for seq in prefilling:
+        if budget == 0:
+            break
+        take = min(budget, seq.prompt_len - short - seq.seq_len)
+        segments.append(Segment(seq.slot, seq.seq_len, seq.history[seq.seq_len :][:take]))
+        chunked.append(seq)
+        budget -= take
+    return segments, chunked
+
+
+def take_drafts(
+    policy: DraftPolicy, batch: list[SeqState], queues: Queues, forced_drafts: bool
+) -> list[CopyTaken]:
+    """The drafts phase: a chain drafted for a smaller batch is cut to the
+    policy's cap, a grammar's forced run comes first, then the policy sets
+    each sequence's drafts; returns the copies it put in flight."""
+    cap = policy.chain_cap(len(batch))
+    for seq in batch:  # the batch may have grown since these were drafted
+        truncate_drafts(seq, min(cap, seq.draft_capacity()))
+    constrain(batch, lambda seq: take_forced(seq, forced_drafts))
+    return policy.take_drafts(batch, queues)

@@ -28,12 +28,10 @@ from metrale.engine.api import Request
 from metrale.engine.runtime.model import Segment
 from metrale.engine.sampling import make_generator
 from metrale.engine.sequence import SeqState
-from metrale.engine.spec.constrained import take_forced
 from metrale.engine.spec.copies import settle_copies
 from metrale.engine.step import Queues, StepTimes
-from metrale.engine.step.books import constrain, truncate_drafts
+from metrale.engine.step.books import StepSetup, prompt_chunk, take_drafts
 from metrale.engine.step.device_verify import MAX_WIDTH, DeviceVerify, VerifyRow
-from metrale.engine.step.host import StepSetup
 from metrale.lookup import PromptLookupConfig
 
 
@@ -80,27 +78,16 @@ class DeviceStep:
         if not batch:
             return []
         # 2. Drafts, as on the host.
-        cap = self.policy.chain_cap(len(batch))
-        for seq in batch:
-            truncate_drafts(seq, min(cap, seq.draft_capacity()))
-        constrain(batch, lambda seq: take_forced(seq, self.forced_drafts))
-        took = self.policy.take_drafts(batch, queues)
+        took = take_drafts(self.policy, batch, queues, self.forced_drafts)
         # 3. Verify, accept and draft on the device; bookkeeping on the host.
-        self._verify(batch, cap, times)
+        self._verify(batch, self.policy.chain_cap(len(batch)), times)
         # 4. Settle the copies; the policy learns what the verify did.
         settle_copies(took, self.shared, self.copies)
         self.policy.verified(times)
         return []
 
     def _prefill(self, queues: Queues, times: StepTimes) -> None:
-        left, segments, chunked = self.prefill_chunk, [], []
-        for seq in queues.prefilling:
-            if left == 0:
-                break
-            take = min(left, seq.prompt_len - 1 - seq.seq_len)
-            segments.append(Segment(seq.slot, seq.seq_len, seq.history[seq.seq_len :][:take]))
-            chunked.append(seq)
-            left -= take
+        segments, chunked = prompt_chunk(queues.prefilling, self.prefill_chunk, short=1)
         if not segments:
             return
         began = self.policy.clock()

@@ -23,12 +23,10 @@ for token, sampled output is plain sampling in distribution.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from metrale.engine.api import Request
-from metrale.engine.runtime.model import Model, Segment
+from metrale.engine.runtime.model import Segment
 from metrale.engine.sampling import draw, make_generator, target_probs
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.acceptance import accept_greedy, accept_sampled
@@ -36,29 +34,12 @@ from metrale.engine.spec.constrained import (
     accept_constrained,
     check_drafts,
     first_token,
-    take_forced,
 )
 from metrale.engine.spec.copies import settle_copies
 from metrale.engine.spec.grammar import GrammarError
-from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
-from metrale.engine.spec.policy import DraftPolicy
+from metrale.engine.spec.mtp import DraftFeed
 from metrale.engine.step import Queues, StepTimes
-from metrale.engine.step.books import Books, constrain, truncate_drafts
-from metrale.lookup import LookupStats, SharedLookup
-
-
-@dataclass
-class StepSetup:
-    """What either step is built from (``Engine`` makes it once)."""
-
-    model: Model
-    policy: DraftPolicy
-    drafter: MtpDrafter | None  # None: no MTP modules, or MTP off
-    books: Books
-    copies: LookupStats  # the run's copy figures
-    shared: SharedLookup | None
-    prefill_chunk: int
-    forced_drafts: bool
+from metrale.engine.step.books import StepSetup, constrain, prompt_chunk, take_drafts
 
 
 class HostStep:
@@ -87,11 +68,7 @@ class HostStep:
         if not batch:
             return done
         # 2. Drafts: the forced run, then the policy's choice, checked by the grammar.
-        cap = self.policy.chain_cap(len(batch))
-        for seq in batch:  # the batch may have grown since these were drafted
-            truncate_drafts(seq, min(cap, seq.draft_capacity()))
-        constrain(batch, lambda seq: take_forced(seq, self.forced_drafts))
-        took = self.policy.take_drafts(batch, queues)
+        took = take_drafts(self.policy, batch, queues, self.forced_drafts)
         constrain(batch, check_drafts)
         batch = [s for s in batch if not s.finished]
         # 3. Verify every sequence's [last_token] + drafts in one forward.
@@ -109,14 +86,7 @@ class HostStep:
     def _prefill(self, queues: Queues, times: StepTimes) -> list[SeqState]:
         """Feeds up to ``prefill_chunk`` prompt tokens, oldest request first;
         returns the sequences that finished on their first token."""
-        left, segments, chunked = self.prefill_chunk, [], []
-        for seq in queues.prefilling:
-            if left == 0:
-                break
-            take = min(left, seq.prompt_len - seq.seq_len)
-            segments.append(Segment(seq.slot, seq.seq_len, seq.history[seq.seq_len :][:take]))
-            chunked.append(seq)
-            left -= take
+        segments, chunked = prompt_chunk(queues.prefilling, self.prefill_chunk, short=0)
         if not segments:
             return []
         began = self.policy.clock()
