@@ -87,10 +87,73 @@ class MlaSpec:
 
 
 @dataclass(frozen=True)
+class LinearAttnSpec:
+    """Gated DeltaNet layers (Qwen3.5/3.6, Qwen3-Next), mixed with full attention.
+
+    ``layers``: the indices of the linear-attention layers; the others are
+    gated full attention. Each linear layer keeps, per slot, a recurrent state
+    ``[num_v_heads, k_head_dim, v_head_dim]`` in float32 and the last
+    ``conv_kernel - 1`` inputs of its causal conv1d over the q/k/v channels
+    (``linear_state.py``). Value head ``h`` reads key head
+    ``h // (num_v_heads // num_k_heads)``. ``fused_projections``: Qwen3-Next's
+    ``in_proj_qkvz`` / ``in_proj_ba``, grouped per key head, instead of
+    Qwen3.5's separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+    """
+
+    layers: frozenset[int]
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    fused_projections: bool
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise CheckpointError(
+                f"linear_num_value_heads ({self.num_v_heads}) is not a multiple of "
+                f"linear_num_key_heads ({self.num_k_heads})"
+            )
+        if self.conv_kernel < 1:
+            raise CheckpointError(
+                f"linear_conv_kernel_dim must be at least 1, got {self.conv_kernel}"
+            )
+
+    @property
+    def key_size(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the conv1d: q, k and v side by side."""
+        return 2 * self.key_size + self.value_size
+
+    @property
+    def state_numbers(self) -> int:
+        """float32 numbers one layer's recurrent state holds per slot."""
+        return self.num_v_heads * self.k_head_dim * self.v_head_dim
+
+    @property
+    def row_numbers(self) -> int:
+        """Numbers one layer keeps per verify row until the next forward
+        commits the accepted prefix: the conv input, the normalised key, the
+        value, the decay and beta (``linear_state.py``)."""
+        return self.conv_channels + self.key_size + self.value_size + 2 * self.num_v_heads
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """The shapes and options of one decoder stack: Llama-style attention (GQA,
     optionally with partial rotary) or MLA (``mla``), a dense SwiGLU MLP or a
-    mixture of experts (``moe``)."""
+    mixture of experts (``moe``), and optionally gated DeltaNet layers in
+    between (``linear``). ``attn_gate``: ``q_proj`` emits per head a query and
+    a gate, and the attention output is multiplied by ``sigmoid(gate)``.
+    ``norm_offset``: added to every RMSNorm weight but the gated one (1.0 for
+    the zero-centred norms of Qwen3-Next and Qwen3.5)."""
 
     model_type: str
     family: str
@@ -112,6 +175,12 @@ class ArchSpec:
     o_bias: bool = False  # GLM-4.5 with attention_bias: only q/k/v carry biases
     moe: MoeSpec | None = None
     mla: MlaSpec | None = None
+    linear: LinearAttnSpec | None = None
+    attn_gate: bool = False
+    norm_offset: float = 0.0
+    # The hidden rows a forward returns, which the MTP layers take, are the
+    # final-normed ones (Qwen3-Next, Qwen3.5) rather than the final residual.
+    hidden_normed: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -134,6 +203,12 @@ class ArchSpec:
         if self.mla is not None:
             return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
         return 2 * self.kv_size
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers that attend over the KV cache, in order."""
+        linear = self.linear.layers if self.linear is not None else frozenset()
+        return [i for i in range(self.num_layers) if i not in linear]
 
     @property
     def q_size(self) -> int:

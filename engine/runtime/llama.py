@@ -29,6 +29,7 @@ place outside inference mode.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,10 +40,12 @@ import torch.nn.functional as F
 from metrale.engine.kernels.binding import PackedKernel, packed_kernel
 from metrale.engine.runtime.arch import ArchSpec
 from metrale.engine.runtime.block import BlockWeights, KVCache, load_block, make_cache
+from metrale.engine.runtime.deltanet import LinearBatch, deltanet, static_linear_batch
 from metrale.engine.runtime.embedding import Embedding
 from metrale.engine.runtime.fused_layers import FusedLayers
 from metrale.engine.runtime.kv_cache import RowPlan, SlotKVCache, plan_rows
 from metrale.engine.runtime.latent_cache import LatentCache
+from metrale.engine.runtime.linear_state import VERIFY_ROWS, LinearStates
 from metrale.engine.runtime.mla import mla_attention
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
 from metrale.engine.runtime.moe import grouped_experts_run, moe_mlp, stack_experts
@@ -72,19 +75,31 @@ class DecoderStack:
         cache: KVCache,
         *,
         kernels: bool = True,
+        linear_states: LinearStates | None = None,
     ) -> None:
         """``kernels=False``: torch ops only, never the C kernels, as on a GPU
-        (the device step's static forward runs so on the CPU too)."""
+        (the device step's static forward runs so on the CPU too). ``cache``
+        holds the attention blocks' layers in order, ``linear_states`` the
+        gated DeltaNet blocks' (``linear_state.py``)."""
         self.spec = spec
         self.blocks = blocks
         self.cache = cache
+        self.linear_states = linear_states
+        # Each block's layer in its own store: the cache's, or the linear states'.
+        self.store_index: list[int] = []
+        counts = [0, 0]
+        for w in blocks:
+            kind = int(w.linear is not None)
+            self.store_index.append(counts[kind])
+            counts[kind] += 1
+        assert (linear_states is not None) == (counts[1] > 0), "linear blocks need their states"
         self.group = spec.num_heads // spec.num_kv_heads
         some = cache.keys[0] if isinstance(cache, SlotKVCache) else cache.entries[0]
         cpu_float32 = some.device.type == "cpu" and some.dtype == torch.float32
         self.kernel: PackedKernel | None = packed_kernel() if cpu_float32 and kernels else None
         # Every layer in one C call for decode and verify steps (None: layer by layer).
         self.fused = None
-        if isinstance(cache, SlotKVCache):
+        if isinstance(cache, SlotKVCache) and linear_states is None and not spec.attn_gate:
             self.fused = FusedLayers.build(spec, blocks, cache, self.kernel)
         self._torch: DecoderStack | None = None if self.kernel is not None else self
 
@@ -100,21 +115,44 @@ class DecoderStack:
     def torch_ops(self) -> DecoderStack:
         """This stack over the same blocks and cache in torch ops only."""
         if self._torch is None:
-            self._torch = DecoderStack(self.spec, self.blocks, self.cache, kernels=False)
+            self._torch = DecoderStack(
+                self.spec, self.blocks, self.cache, kernels=False, linear_states=self.linear_states
+            )
         return self._torch
 
-    def run(self, x: torch.Tensor, plan: RowPlan, rope: RopeTable) -> torch.Tensor:
-        """``x`` ``[num_tokens, hidden]`` through every block; returns the new residual."""
+    def run(
+        self,
+        x: torch.Tensor,
+        plan: RowPlan,
+        rope: RopeTable,
+        linear: LinearBatch | None = None,
+    ) -> torch.Tensor:
+        """``x`` ``[num_tokens, hidden]`` through every block; returns the new
+        residual. ``linear``: the segments as the linear blocks read them (a
+        stack with linear blocks needs it)."""
         if self.fused is not None and plan.mask is not None and self._kernel_attends(plan):
             return self.fused.run(x, plan, rope)
+        states = self.linear_states
+        if states is not None:
+            assert linear is not None, "a stack with linear blocks needs the segments"
+            states.settle(linear.slots, linear.starts, linear.live)
         # The C kernel rotates whole heads from the tables by position; torch
         # rotates from gathered rows, and is the one to rotate part of a head.
         kernel_rotates = self.kernel is not None and self.spec.rotary_dim is None
         kernel_rotates = kernel_rotates and self.spec.mla is None  # MLA rotates its own
         cos_sin = None if kernel_rotates else rope.gather(plan.positions)
         for layer, w in enumerate(self.blocks):
-            x = x + self._attention(self._norm(x, w.attn_norm), w, layer, plan, rope, cos_sin)
+            h = self._norm(x, w.attn_norm)
+            if w.linear is not None:
+                assert states is not None and linear is not None and self.spec.linear is not None
+                index, eps = self.store_index[layer], self.spec.rms_norm_eps
+                x = x + deltanet(h, w.linear, self.spec.linear, eps, states, index, linear)
+            else:
+                x = x + self._attention(h, w, self.store_index[layer], plan, rope, cos_sin)
             x = x + self._mlp(self._norm(x, w.mlp_norm), w)
+        if states is not None:
+            assert linear is not None
+            states.mark_rows(linear.slots, linear.starts, linear.lengths, linear.live)
         return x
 
     def _mlp(self, h: torch.Tensor, w: BlockWeights) -> torch.Tensor:
@@ -175,6 +213,13 @@ class DecoderStack:
         num_tokens = h.shape[0]
         qkv = linear(h, w.qkv, w.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         heads, kv_heads = spec.num_heads, spec.num_kv_heads
+        gate = None
+        if spec.attn_gate:
+            # q_proj's rows hold, per head, the query and then its gate.
+            q_gate, kv = qkv.split([2 * spec.q_size, 2 * spec.kv_size], dim=-1)
+            q_gate = q_gate.view(num_tokens, heads, 2 * spec.head_dim)
+            gate = q_gate[..., spec.head_dim :].reshape(num_tokens, spec.q_size)
+            qkv = torch.cat([q_gate[..., : spec.head_dim].reshape(num_tokens, -1), kv], dim=-1)
         if w.q_norm is None or w.k_norm is None:
             # q and k sit side by side in qkv: rotate both in one call.
             qk = qkv[:, : spec.q_size + spec.kv_size].view(num_tokens, heads + kv_heads, -1)
@@ -206,6 +251,8 @@ class DecoderStack:
             )
         else:
             out = self._attend_cached(q, layer, plan)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return linear(out, w.o_proj, w.o_bias)
 
     def _causal_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -264,11 +311,13 @@ class LlamaModel:
         device: torch.device,
         packed: PackedSource | None = None,
         headroom: int = 0,
+        verify_rows: int = VERIFY_ROWS,
     ) -> None:
         """``packed``: linear weights to run packed (CPU, float32 only).
         ``headroom``: cache positions per slot past ``max_len``, where the
         device step's padded rows write (``static_step.py``); no segment of
-        ``forward`` reaches them."""
+        ``forward`` reaches them. ``verify_rows``: with gated DeltaNet layers,
+        the widest segment whose every prefix can be kept (``max_verify_rows``)."""
         self.spec = spec
         self.dtype = dtype
         self._device = device
@@ -290,13 +339,19 @@ class LlamaModel:
             lm_head: Weight = embed.packed or embed.matrix()
         else:
             lm_head = (packed.get("lm_head.weight") if packed else None) or get("lm_head.weight")
-        self.head = HeadWeights(embed=embed, norm=get("model.norm.weight"), lm_head=lm_head)
+        norm = (store.get("model.norm.weight").float() + spec.norm_offset).to(device, dtype)
+        self.head = HeadWeights(embed=embed, norm=norm, lm_head=lm_head)
         blocks = [
             load_block(store, f"model.layers.{i}.", spec, dtype, device, packed=packed, layer=i)
             for i in range(spec.num_layers)
         ]
-        cache = make_cache(spec, spec.num_layers, num_slots, max_len + headroom, dtype, device)
-        self.stack = DecoderStack(spec, blocks, cache)
+        attending = len(spec.attention_layers)
+        cache = make_cache(spec, attending, num_slots, max_len + headroom, dtype, device)
+        states = None
+        if spec.linear is not None:
+            linear_layers = spec.num_layers - attending
+            states = LinearStates(spec.linear, linear_layers, num_slots, verify_rows, dtype, device)
+        self.stack = DecoderStack(spec, blocks, cache, linear_states=states)
         self.rope = RopeTable(hf_config, spec.rope_dim, max_len, dtype, device, headroom)
 
     @property
@@ -319,6 +374,19 @@ class LlamaModel:
     def kv_bytes_per_token(self) -> int:
         return self.stack.cache.bytes_per_token
 
+    @property
+    def max_verify_rows(self) -> int | None:
+        """The widest verify a slot can roll back within (None: any width)."""
+        states = self.stack.linear_states
+        return states.verify_rows if states is not None else None
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """What a slot holds besides its KV cache: the linear layers' states
+        and a full verify's pending rows (``linear_state.py``); 0 without them."""
+        states = self.stack.linear_states
+        return states.bytes // self._num_slots if states is not None else 0
+
     def plan(self, segments: Sequence[Segment]) -> RowPlan:
         return plan_rows(
             segments, self._num_slots, self._max_len, self._device, self.spec.sliding_window
@@ -328,9 +396,34 @@ class LlamaModel:
     def forward(self, segments: Sequence[Segment], logits: LogitRows = "all") -> ForwardOutput:
         plan = self.plan(segments)
         x = self.head.embed(plan.token_ids)  # [num_tokens, hidden]
-        hidden = self.stack.run(x, plan, self.rope)  # [num_tokens, hidden], pre-norm
+        linear = self._linear_batch(segments, plan)
+        hidden = self._mtp_hidden(
+            self.stack.run(x, plan, self.rope, linear)
+        )  # [num_tokens, hidden]
         rows = hidden if logits == "all" else hidden.index_select(0, plan.last_rows)
         return ForwardOutput(logits=self.logits(rows), hidden=hidden)
+
+    def _linear_batch(self, segments: Sequence[Segment], plan: RowPlan) -> LinearBatch | None:
+        if self.stack.linear_states is None:
+            return None
+        lengths = [len(s.token_ids) for s in segments]
+        firsts = list(itertools.accumulate(lengths, initial=0))[:-1]
+        device = self._device
+        return LinearBatch(
+            slots=plan.slot_ids,
+            starts=torch.tensor([s.start for s in segments], dtype=torch.long, device=device),
+            lengths=torch.tensor(lengths, dtype=torch.long, device=device),
+            rows=list(zip(firsts, lengths, strict=True)),
+            max_rows=plan.max_rows,
+            pad_index=plan.pad_index,
+        )
+
+    def _mtp_hidden(self, residual: torch.Tensor) -> torch.Tensor:
+        """The hidden rows a forward returns: the final residual, or its final
+        norm where the family's MTP layer takes that (``ArchSpec.hidden_normed``)."""
+        if not self.spec.hidden_normed:
+            return residual
+        return rms_norm(residual, self.head.norm, self.spec.rms_norm_eps)
 
     def prepare_static(self) -> bool:
         """``DecoderStack.prepare_static`` for the model's blocks."""
@@ -345,13 +438,18 @@ class LlamaModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The device step's forward over slots ``0..B-1`` (``static_step.py``):
         ``(logits [B * W, vocab] float32, hidden [B * W, hidden])``, no host read."""
-        _, width = tokens.shape
+        width = tokens.shape[1]
         plan = static_plan(starts, width, ctx, self.spec.sliding_window)
         x = self.head.embed(tokens.reshape(-1))  # [B * W, hidden]
-        hidden = self.stack.torch_ops().run(x, plan, self.rope)
+        linear = None
+        if self.stack.linear_states is not None:
+            linear = static_linear_batch(starts, width, self._max_len)
+        hidden = self._mtp_hidden(self.stack.torch_ops().run(x, plan, self.rope, linear))
         return self.logits(hidden), hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: ``[rows, hidden]`` -> ``[rows, vocab]`` float32."""
-        normed = rms_norm(hidden, self.head.norm, self.spec.rms_norm_eps)
-        return linear(normed, self.head.lm_head).float()
+        """Final norm (unless ``hidden`` already had it) and LM head:
+        ``[rows, hidden]`` -> ``[rows, vocab]`` float32."""
+        if not self.spec.hidden_normed:
+            hidden = rms_norm(hidden, self.head.norm, self.spec.rms_norm_eps)
+        return linear(hidden, self.head.lm_head).float()

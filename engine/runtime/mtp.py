@@ -36,9 +36,14 @@ Layouts (key prefixes and the config fields that announce them):
   ``num_nextn_predict_layers``.
 - ``mimo`` (Xiaomi MiMo): ``model.mtp_layers.{i}.token_layernorm,
   hidden_layernorm, input_proj, final_layernorm``; ``num_nextn_predict_layers``.
-- ``qwen3_next``: ``mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden,
-  mtp.layers.0, mtp.norm``; every norm zero-centred (scale = weight + 1);
-  ``mtp_num_hidden_layers`` / ``num_nextn_predict_layers``.
+- ``qwen3_next`` (Qwen3-Next, Qwen3.5/3.6): ``mtp.fc, mtp.pre_fc_norm_embedding,
+  mtp.pre_fc_norm_hidden, mtp.layers.{i}, mtp.norm``; every norm zero-centred
+  (scale = weight + 1); ``mtp_num_hidden_layers`` / ``num_nextn_predict_layers``
+  layers share the fc and norms, module ``i`` running ``layers.{i}`` (a
+  gated full-attention layer, never a linear one). These families feed the
+  *final-normed* hidden state (``ArchSpec.hidden_normed``: the main model
+  returns it so) and hand on ``norm(y)`` rather than ``y``, as vLLM runs them
+  and as their MTP layers were trained; their logits are ``lm_head`` of that.
 - ``head``: a standalone head file (``mtp_head.py``), DeepSeek's structure.
 A module's block is the main model's block type, MoE included (``load_block``).
 """
@@ -91,7 +96,12 @@ def detect_mtp(
     found = [
         ("deepseek", count(lambda i: f"model.layers.{num_layers + i}.", "eh_proj.weight")),
         ("mimo", count(lambda i: f"model.mtp_layers.{i}.", "input_proj.weight")),
-        ("qwen3_next", 1 if "mtp.fc.weight" in keys else 0),
+        (
+            "qwen3_next",
+            count(lambda i: f"mtp.layers.{i}.", "input_layernorm.weight")
+            if "mtp.fc.weight" in keys
+            else 0,
+        ),
     ]
     for layout, n in found:
         if n > 0:
@@ -164,7 +174,7 @@ class MtpLayer:
             segments, model.num_slots, model.max_len, model.device, model.spec.sliding_window
         )
         assert hidden.shape[0] == plan.num_tokens, "one hidden row per segment token"
-        y = self.stack.run(self._input(plan.token_ids, hidden), plan, model.rope)
+        y = self._handed_on(self.stack.run(self._input(plan.token_ids, hidden), plan, model.rope))
         if isinstance(logits, torch.Tensor):
             rows = y.index_select(0, logits.to(y.device))
         else:
@@ -192,6 +202,7 @@ class MtpLayer:
         batch, width = tokens.shape
         plan = static_plan(starts, width, ctx, model.spec.sliding_window)
         y = self.stack.torch_ops().run(self._input(tokens.reshape(-1), hidden), plan, model.rope)
+        y = self._handed_on(y)
         picked = y.view(batch, width, -1)[torch.arange(batch, device=y.device), rows]
         return self._logits(picked), y
 
@@ -208,9 +219,18 @@ class MtpLayer:
         )  # [num_tokens, 2 * hidden]
         return linear(both, w.proj)
 
+    def _handed_on(self, y: torch.Tensor) -> torch.Tensor:
+        """The hidden rows the module returns: ``y``, or ``norm(y)`` for the
+        families that feed normed states (module doc)."""
+        if not self.model.spec.hidden_normed:
+            return y
+        return rms_norm(y, self.weights.final_norm, self.model.spec.rms_norm_eps)
+
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
         w, eps = self.weights, self.model.spec.rms_norm_eps
-        out = linear(rms_norm(rows, w.final_norm, eps), self.lm_head).float()
+        if not self.model.spec.hidden_normed:
+            rows = rms_norm(rows, w.final_norm, eps)
+        out = linear(rows, self.lm_head).float()
         if self.draft_vocab is not None:  # tokens outside it are never drafted
             full = out.new_full((out.shape[0], self.model.vocab_size), float("-inf"))
             out = full.index_copy_(1, self.draft_vocab, out)
@@ -223,8 +243,9 @@ def load_checkpoint_mtp(
     """Builds the modules a checkpoint ships in one of the public layouts, in
     stack order; linear weights ``packed`` has are taken from it."""
     weights = [_read_layout(model, store, found.layout, i, packed) for i in range(found.count)]
-    for before, after in itertools.pairwise(weights):
-        after.input_norm = before.final_norm
+    if not model.spec.hidden_normed:  # a normed family hands on normed rows already
+        for before, after in itertools.pairwise(weights):
+            after.input_norm = before.final_norm
     return [MtpLayer(model, w) for w in weights]
 
 
@@ -250,7 +271,7 @@ def _read_layout(
     else:
         raise ValueError(f"unknown MTP layout {layout!r}; expected one of {LAYOUTS}")
     token_norm, hidden_norm, proj, final_norm, hidden_first = names
-    block_prefix = "mtp.layers.0." if layout == "qwen3_next" else p
+    block_prefix = f"mtp.layers.{index}." if layout == "qwen3_next" else p
     own_head = f"{p}shared_head.head.weight"
 
     def linear_weight(name: str) -> Weight:
