@@ -92,9 +92,14 @@ def describe_kv_cache(facts: ModelInfo) -> str:
     from metrale.engine.runtime.kv_sizing import gib
     from metrale.engine.runtime.static_step import HEADROOM
 
+    state = ""
+    if facts.state_bytes_per_slot:
+        state = (
+            f", with {facts.state_bytes_per_slot / 2**20:,.2f} MiB of linear-layer state per slot"
+        )
     return (
-        f"{facts.num_slots} x {facts.max_len:,} positions (+{HEADROOM} for padded verify rows), "
-        f"{gib(facts.kv_cache_bytes)} GiB\n" + with_flags(facts.kv_limit)
+        f"{facts.num_slots} x {facts.max_len:,} positions (+{HEADROOM} for padded verify rows)"
+        f"{state}, {gib(facts.kv_cache_bytes)} GiB\n" + with_flags(facts.kv_limit)
     )
 
 

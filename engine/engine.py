@@ -105,6 +105,8 @@ class Engine:
         self._scope_fields = (model_name, tokenizer_name, adapter)
         self._num_slots = min(model.num_slots, config.max_batch)
         self._max_len = model.max_len
+        # A model with linear layers rolls back within its widest verify only.
+        self._verify_rows: int | None = getattr(model, "max_verify_rows", None)
         if drafter is not None:
             assert drafter.num_slots >= self._num_slots, "MTP slots < model slots"
             self._max_len = min(self._max_len, drafter.max_len)
@@ -266,6 +268,7 @@ class Engine:
                 scope=self._scope_key(request),
                 generator=None if params.greedy else self._path.generator(params.seed),
                 grammar=self._matcher(request.grammar),
+                verify_rows=self._verify_rows,
             )
             self._counters.prompt_tokens += len(request.prompt_ids)
             self._path.admit(seq, self._queues)

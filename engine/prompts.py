@@ -49,6 +49,13 @@ def content_text(content: Any) -> str:
     texts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
     strings = [t for t in texts if isinstance(t, str)]
     if len(strings) != len(content):
+        kinds = sorted({str(p.get("type")) for p in content if isinstance(p, Mapping)} - {"text"})
+        if kinds:
+            raise ValueError(
+                f"has {', '.join(kinds)} parts: metrale runs models on text only (a "
+                "vision-language checkpoint such as Qwen3.5 is loaded without its vision "
+                "tower), so only text parts are supported"
+            )
         raise ValueError("only text parts are supported")
     return "".join(strings)
 

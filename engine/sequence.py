@@ -14,7 +14,9 @@ Contract (owned by the engine loop, one ``SeqState`` per admitted request):
   ``last_token``; ``pending_probs`` their distributions when the MTP drafter
   sampled them (``None`` for greedy drafts and for copies, which are one-hot).
 - A sequence never emits past ``max_tokens``, and never feeds a position at
-  or beyond ``max_len``: ``draft_capacity`` bounds every verify by both.
+  or beyond ``max_len``: ``draft_capacity`` bounds every verify by both, and
+  by ``verify_rows`` when the model can roll back only that wide a verify
+  (gated DeltaNet layers, ``runtime/linear_state.py``).
 - ``grammar`` (constrained requests only) has consumed exactly the emitted
   tokens. ``forced_drafts`` and ``masks`` live for one step: the grammar's
   forced run this step (``spec/constrained.py``), and the verify rows' masks.
@@ -60,6 +62,7 @@ class SeqState:
     forced_drafts: list[int] = field(default_factory=list)
     masks: RowMasks | None = None
     error: str | None = None
+    verify_rows: int | None = None  # the model's widest verify; None: any
 
     def __post_init__(self) -> None:
         if not self.history:
@@ -92,7 +95,10 @@ class SeqState:
         ``seq_len`` and emits up to ``1 + drafts`` tokens."""
         left_in_slot = self.max_len - self.seq_len - 1
         left_to_emit = self.request.params.max_tokens - len(self.output_ids) - 1
-        return max(0, min(left_in_slot, left_to_emit))
+        most = min(left_in_slot, left_to_emit)
+        if self.verify_rows is not None:
+            most = min(most, self.verify_rows - 1)
+        return max(0, most)
 
     def set_drafts(self, drafts: list[int], probs: torch.Tensor | None) -> None:
         self.pending_drafts, self.pending_probs = drafts, probs

@@ -22,7 +22,13 @@ from typing import Any
 
 from metrale.engine.load.plain_config import plain_config
 from metrale.engine.load.quant import check_tensors, read_quant
-from metrale.engine.runtime.arch import ArchSpec, CheckpointError, MlaSpec, MoeSpec
+from metrale.engine.runtime.arch import (
+    ArchSpec,
+    CheckpointError,
+    LinearAttnSpec,
+    MlaSpec,
+    MoeSpec,
+)
 from metrale.engine.runtime.fp8 import BlockFp8
 from metrale.engine.runtime.weights import WeightStore
 
@@ -39,18 +45,28 @@ FAMILIES = {
     "glm4_moe": "glm4_moe",
     "deepseek_v3": "deepseek_v3",
     "glm4_moe_lite": "glm4_moe_lite",
+    "qwen3_next": "qwen3_next",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_text": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    "qwen3_5_moe_text": "qwen3_5_moe_text",
 }
 SUPPORTED = (
     "Llama, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, MiMo, Qwen2-MoE, Qwen3-MoE, "
-    "GLM-4.5 (glm4_moe), DeepSeek-V3/R1 (deepseek_v3), GLM-4.7-Flash (glm4_moe_lite)"
+    "GLM-4.5 (glm4_moe), DeepSeek-V3/R1 (deepseek_v3), GLM-4.7-Flash (glm4_moe_lite), "
+    "Qwen3.5/3.6 (qwen3_5, qwen3_5_moe and their _text exports), Qwen3-Next (qwen3_next)"
 )
 # Families whose attention is multi-head latent attention.
 _MLA = ("deepseek_v3", "glm4_moe_lite")
 # Families that route by softmax (Qwen) and by grouped sigmoid (DeepSeek, GLM).
-_SOFTMAX_MOE = ("qwen2_moe", "qwen3_moe")
+_SOFTMAX_MOE = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
 _SIGMOID_MOE = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
-# Linear-attention hybrids, refused by name even when layer_types is not written.
-_LINEAR_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Gated DeltaNet hybrids, by transformers family: every layer_types entry is
+# linear_attention or full_attention, and the full layers are gated.
+_HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# Released layouts that nest the language model (module doc).
+_NESTED = ("qwen3_5", "qwen3_5_moe")
+_LANGUAGE_PREFIX = "model.language_model."
 
 
 @dataclass(frozen=True)
@@ -69,18 +85,45 @@ def read_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path} is not a checkpoint folder: config.json is missing")
     raw: dict[str, Any] = json.loads(config_file.read_text())
     model_type = str(raw.get("model_type", ""))
-    refuse_unsupported_layers(raw)
     if model_type not in FAMILIES:
+        refuse_unsupported_layers(raw, None)
         archs = ", ".join(raw.get("architectures") or []) or "unknown"
         raise CheckpointError(
             f"unsupported architecture {model_type or '?'} ({archs}); supported: {SUPPORTED}"
         )
+    family = FAMILIES[model_type]
     quant = read_quant(raw)
-    hf_config = family_config(raw, FAMILIES[model_type])
-    spec = _arch_spec(hf_config, model_type, FAMILIES[model_type])
+    if model_type in _NESTED:
+        raw = language_config(raw)
+    refuse_unsupported_layers(raw, family)
+    hf_config = family_config(raw, family)
+    spec = _arch_spec(hf_config, model_type, family)
     weights = WeightStore.open_folder(path, quant)
     check_tensors(weights.headers(), quant)
+    if model_type in _NESTED:
+        weights = weights.renamed(_language_name)
     return Checkpoint(path, spec, hf_config, raw, weights, quant)
+
+
+def language_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A released Qwen3.5 config read as its language model's: ``text_config``
+    over the top level's other fields (quantization, MTP counts, tied
+    embeddings), without the vision parts."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"model_type {raw.get('model_type')} needs a text_config object")
+    skip = ("text_config", "vision_config", "architectures", "model_type")
+    outer = {k: v for k, v in raw.items() if k not in skip}
+    return {**outer, **text}
+
+
+def _language_name(name: str) -> str | None:
+    """A released Qwen3.5 tensor's name in the flat layout; None for the vision tower."""
+    if name.startswith(_LANGUAGE_PREFIX):
+        return "model." + name[len(_LANGUAGE_PREFIX) :]
+    if name.startswith("model.visual."):
+        return None
+    return name
 
 
 def family_config(raw: dict[str, Any], family: str) -> Any:
@@ -98,24 +141,23 @@ def transformers_config(raw: dict[str, Any], family: str) -> Any:
     return AutoConfig.for_model(family, **fields)
 
 
-def refuse_unsupported_layers(raw: dict[str, Any]) -> None:
+def refuse_unsupported_layers(raw: dict[str, Any], family: str | None) -> None:
     """Refuses, naming the config field, layer kinds the runtime cannot run
-    exactly, whatever the family: linear-attention (recurrent) layers, whose
-    state cannot yet be rolled back per draft position, and sliding-window
-    layers mixed with full ones."""
+    exactly: linear-attention layers outside the gated DeltaNet family (whose
+    recurrence metrale does not know), and sliding-window layers mixed with
+    full ones."""
     kinds = set(raw.get("layer_types") or ())
-    hybrid = str(raw.get("model_type", "")) in _LINEAR_HYBRIDS
-    if "linear_attention" in kinds or hybrid:
-        field = "layer_types has linear_attention layers" if not hybrid else "model_type"
+    known = {"full_attention", "linear_attention"} if family in _HYBRIDS else {"full_attention"}
+    if "linear_attention" in kinds - known:
         raise CheckpointError(
-            f"{field} ({raw.get('model_type')}, a linear-attention hybrid such as Qwen3-Next "
-            "or Qwen3.5): its recurrent state cannot yet be rolled back per draft position, "
-            "so metrale does not load it"
+            f"layer_types has linear_attention layers in model_type {raw.get('model_type')}; "
+            "metrale runs linear attention only as the gated DeltaNet of Qwen3.5/3.6 and "
+            "Qwen3-Next"
         )
-    if kinds - {"full_attention"}:
+    if kinds - known:
         raise CheckpointError(
-            f"layer_types has {', '.join(sorted(kinds - {'full_attention'}))} layers; "
-            "metrale runs full-attention layers only"
+            f"layer_types has {', '.join(sorted(kinds - known))} layers; "
+            "metrale runs full-attention layers (and Qwen3.5's linear ones) only"
         )
 
 
@@ -131,12 +173,16 @@ def _arch_spec(config: Any, model_type: str, family: str) -> ArchSpec:
         head_dim = mla.qk_head_dim
     attention_bias = bool(getattr(config, "attention_bias", False))
     glm = family == "glm4_moe"
+    hybrid = family in _HYBRIDS
+    if hybrid and attention_bias:
+        raise CheckpointError("attention_bias=true is not supported for the Qwen3.5 family")
     return ArchSpec(
         model_type=model_type,
         family=family,
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
+        # Qwen3.5-MoE has no dense layer, and no dense width.
+        intermediate_size=int(getattr(config, "intermediate_size", 0) or 0),
         num_layers=config.num_hidden_layers,
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
@@ -145,13 +191,42 @@ def _arch_spec(config: Any, model_type: str, family: str) -> ArchSpec:
         tie_embeddings=bool(config.tie_word_embeddings),
         context_len=int(config.max_position_embeddings),
         qkv_bias=family in ("qwen2", "qwen2_moe") or (attention_bias and mla is None),
-        qk_norm=family in ("qwen3", "qwen3_moe") or (glm and bool(config.use_qk_norm)),
+        qk_norm=family in ("qwen3", "qwen3_moe") or hybrid or (glm and bool(config.use_qk_norm)),
         sliding_window=_sliding_window(config, family),
         rotary_dim=None if mla else _rotary_dim(config, head_dim),
         # Llama and Mistral put attention_bias on o_proj too; GLM-4.5 on q/k/v only.
         o_bias=attention_bias and family in ("llama", "mistral"),
         moe=_moe_spec(config, family),
         mla=mla,
+        linear=_linear_spec(config, family) if hybrid else None,
+        attn_gate=hybrid,
+        norm_offset=1.0 if hybrid else 0.0,
+        hidden_normed=hybrid,
+    )
+
+
+def _linear_spec(config: Any, family: str) -> LinearAttnSpec:
+    """The gated DeltaNet layers: which layers, and their heads."""
+    kinds = list(getattr(config, "layer_types", None) or ())
+    if len(kinds) != int(config.num_hidden_layers):
+        raise CheckpointError(
+            f"layer_types names {len(kinds)} layers, num_hidden_layers is "
+            f"{config.num_hidden_layers}"
+        )
+    dtype = str(getattr(config, "mamba_ssm_dtype", "float32") or "float32")
+    if dtype != "float32":
+        raise CheckpointError(
+            f"mamba_ssm_dtype {dtype!r} is not supported: metrale keeps the linear "
+            "layers' state in float32, as the released models do"
+        )
+    return LinearAttnSpec(
+        layers=frozenset(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+        num_k_heads=int(config.linear_num_key_heads),
+        num_v_heads=int(config.linear_num_value_heads),
+        k_head_dim=int(config.linear_key_head_dim),
+        v_head_dim=int(config.linear_value_head_dim),
+        conv_kernel=int(config.linear_conv_kernel_dim),
+        fused_projections=family == "qwen3_next",
     )
 
 
@@ -199,15 +274,17 @@ def _moe_spec(config: Any, family: str) -> MoeSpec | None:
     if family in _SOFTMAX_MOE:
         step = int(getattr(config, "decoder_sparse_step", 1) or 1)
         only = set(getattr(config, "mlp_only_layers", None) or ())
-        qwen2 = family == "qwen2_moe"
+        # Qwen2-MoE and the hybrids: one shared expert scaled by sigmoid(gate(x)).
+        shared = family in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
         return MoeSpec(
             num_experts=int(config.num_experts),
             experts_per_token=int(config.num_experts_per_tok),
             expert_size=int(config.moe_intermediate_size),
             routing="softmax",
-            norm_topk_prob=bool(config.norm_topk_prob),
-            shared_size=int(config.shared_expert_intermediate_size) if qwen2 else 0,
-            shared_gate=qwen2,
+            # Qwen3.5-MoE's router always renormalises its top-k.
+            norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)),
+            shared_size=int(config.shared_expert_intermediate_size) if shared else 0,
+            shared_gate=shared,
             dense_layers=frozenset(i for i in range(num_layers) if i in only or (i + 1) % step),
         )
     if family in _SIGMOID_MOE:

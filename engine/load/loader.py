@@ -56,6 +56,7 @@ from metrale.engine.runtime.kv_sizing import (
     kv_bytes_per_position,
     size_kv_cache,
 )
+from metrale.engine.runtime.linear_state import VERIFY_ROWS, LinearStates
 from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.model import Model, MtpModule
 from metrale.engine.runtime.mtp import MtpFound, detect_mtp, load_checkpoint_mtp
@@ -89,6 +90,9 @@ class ModelInfo:
     mtp_draft_vocab: int | None  # tokens a standalone head drafts from; None: all
     mtp_head: str | None  # the standalone head's weights file, when one drafts
     kv_bytes_per_token: int
+    # Per slot, whatever its length: gated DeltaNet layers' states and a full
+    # verify's pending rows (linear_state.py); 0 for a model without them.
+    state_bytes_per_slot: int
     kv_limit: str
     kv_cache_bytes: int
     attention: str  # "GQA, 9 query / 3 kv heads of 64" or "MLA, ..."
@@ -164,6 +168,7 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
             None,
         ),
         kv_bytes_per_token=model.kv_bytes_per_token + sum(m.kv_bytes_per_token for m in mtp),
+        state_bytes_per_slot=model.state_bytes_per_slot,
         kv_limit=kv_limit,
         kv_cache_bytes=sizing.cache_bytes,
         attention=describe_attention(checkpoint.spec),
@@ -277,7 +282,9 @@ def size_cache(
     budget too small for the rule's minimum is a ``CheckpointError`` naming
     the setting it came from (``kv_cache_gb: ...``)."""
     spec = checkpoint.spec
-    per_position = kv_bytes_per_position(spec.num_layers, num_mtp, spec.kv_width, dtype.itemsize)
+    attending = len(spec.attention_layers)
+    per_position = kv_bytes_per_position(attending, num_mtp, spec.kv_width, dtype.itemsize)
+    slot_bytes = state_bytes_per_slot(spec, dtype)
     if runtime.max_len is not None and runtime.max_len > spec.context_len:
         raise CheckpointError(
             f"max_len {runtime.max_len} exceeds the model's context length {spec.context_len}"
@@ -289,7 +296,14 @@ def size_cache(
         source: PositionsFrom = "max_len" if runtime.max_len else "context"
         if runtime.kv_budget_mb is not None and max_len < asked:
             source = "budget"
-        sizing = KvSizing(runtime.num_slots, max_len, per_position, source, headroom=HEADROOM)
+        sizing = KvSizing(
+            runtime.num_slots,
+            max_len,
+            per_position,
+            source,
+            headroom=HEADROOM,
+            slot_bytes=slot_bytes,
+        )
         older = runtime.kv_budget_mb
         return sizing, sizing.describe(None if older is None else f"{older} MB (kv_budget_mb)")
     budget_bytes, field, where = budget
@@ -301,6 +315,7 @@ def size_cache(
             spec.context_len,
             runtime.max_len,
             headroom=HEADROOM,
+            slot_bytes=slot_bytes,
         )
     except ValueError as exc:
         whence = "" if field == "kv_cache_gb" else f" (the budget: {where})"
@@ -365,7 +380,7 @@ def choose_max_len(
         )
     if runtime.kv_budget_mb is not None:
         per_slot = kv_bytes_per_position(
-            spec.num_layers, num_stacks - 1, spec.kv_width, dtype.itemsize
+            len(spec.attention_layers), num_stacks - 1, spec.kv_width, dtype.itemsize
         )
         per_position = per_slot * runtime.num_slots
         fits = int(runtime.kv_budget_mb * 2**20) // per_position
@@ -388,8 +403,25 @@ def describe_attention(spec: ArchSpec) -> str:
             f"{mla.qk_rope_head_dim} cached, {q}"
         )
     rotary = spec.rope_dim / spec.head_dim
-    text = f"GQA, {spec.num_heads} query / {spec.num_kv_heads} kv heads of {spec.head_dim}"
-    return text if rotary == 1 else f"{text}, {rotary:.0%} rotary"
+    gated = "gated GQA" if spec.attn_gate else "GQA"
+    text = f"{gated}, {spec.num_heads} query / {spec.num_kv_heads} kv heads of {spec.head_dim}"
+    text = text if rotary == 1 else f"{text}, {rotary:.0%} rotary"
+    lin = spec.linear
+    if lin is None:
+        return text
+    return (
+        f"{text}, in {len(spec.attention_layers)} of {spec.num_layers} layers; the other "
+        f"{len(lin.layers)} are gated DeltaNet, {lin.num_k_heads} key / {lin.num_v_heads} "
+        f"value heads of {lin.k_head_dim} / {lin.v_head_dim}, conv {lin.conv_kernel}"
+    )
+
+
+def state_bytes_per_slot(spec: ArchSpec, dtype: torch.dtype) -> int:
+    """What a slot of ``spec``'s model holds whatever its length (``KvSizing.slot_bytes``)."""
+    if spec.linear is None:
+        return 0
+    layers = spec.num_layers - len(spec.attention_layers)
+    return LinearStates.bytes_per_slot(spec.linear, layers, VERIFY_ROWS, dtype)
 
 
 def describe_experts(spec: ArchSpec) -> str | None:

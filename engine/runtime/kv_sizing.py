@@ -1,11 +1,16 @@
 """Slots x positions of the KV cache, from a memory budget.
 
-Contract: ``size_kv_cache`` is a pure function of five numbers. The cache is
+Contract: ``size_kv_cache`` is a pure function of its numbers. The cache is
 preallocated slot-major (``kv_cache.py``, ``latent_cache.py``): ``num_slots``
 slots of ``max_len`` positions each, every position holding
 ``bytes_per_position`` bytes across the main model's layers and one layer per
 MTP module (``kv_bytes_per_position``). The result always fits:
 ``num_slots * max_len * bytes_per_position <= budget_bytes``.
+
+A slot of a model with gated DeltaNet layers also holds ``slot_bytes`` that
+do not grow with its length: the layers' recurrent states, conv windows and
+a full verify's pending rows (``linear_state.py``). Below, a slot's cost is
+``(max_len + headroom) * bytes_per_position + slot_bytes``.
 
 A slot also keeps ``headroom`` positions past ``max_len``, where the device
 step's padded verify rows write (``static_step.py``; the loader asks for
@@ -77,11 +82,14 @@ class KvSizing:
     slots_cut: bool = False
     budget_bytes: int | None = None
     headroom: int = 0  # positions past max_len each slot also keeps
+    slot_bytes: int = 0  # per slot, whatever its length: linear layers' states
 
     @property
     def cache_bytes(self) -> int:
-        """What the caches take: every slot, every position, every stack."""
-        return self.num_slots * (self.max_len + self.headroom) * self.bytes_per_position
+        """What the caches take: every slot, every position, every stack,
+        and every slot's fixed state."""
+        per_slot = (self.max_len + self.headroom) * self.bytes_per_position + self.slot_bytes
+        return self.num_slots * per_slot
 
     def describe(self, budget: str | None = None) -> str:
         """Why the cache has this shape, in a clause a message can quote:
@@ -117,6 +125,7 @@ def size_kv_cache(
     context_len: int,
     max_len: int | None = None,
     headroom: int = 0,
+    slot_bytes: int = 0,
 ) -> KvSizing:
     """Slots and positions per slot within ``budget_bytes`` (module doc's
     rule). Raises ``ValueError`` naming the budget and the minimum when even
@@ -132,31 +141,40 @@ def size_kv_cache(
     assert bytes_per_position > 0 and max_slots >= 1 and context_len >= MIN_POSITIONS
     assert max_len is None or MIN_POSITIONS <= max_len <= context_len, "max_len within context"
     if max_len is not None:
-        slot_bytes = (max_len + headroom) * bytes_per_position
-        fits = budget_bytes // slot_bytes
+        one_slot = (max_len + headroom) * bytes_per_position + slot_bytes
+        fits = budget_bytes // one_slot
         if fits < 1:
+            most = max(0, budget_bytes - slot_bytes) // bytes_per_position
             raise ValueError(
                 f"a KV cache of {gib(budget_bytes)} GiB holds no slot of {max_len:,} positions: "
-                f"the minimum is {gib(slot_bytes, up=True)} GiB (one slot); raise the budget "
-                f"or lower max_len (at most {budget_bytes // bytes_per_position:,} fits)"
+                f"the minimum is {gib(one_slot, up=True)} GiB (one slot); raise the budget "
+                f"or lower max_len (at most {most:,} fits)"
             )
         slots = min(max_slots, fits)
         return KvSizing(
-            slots, max_len, bytes_per_position, "max_len", slots < max_slots, budget_bytes, headroom
+            slots,
+            max_len,
+            bytes_per_position,
+            "max_len",
+            slots < max_slots,
+            budget_bytes,
+            headroom,
+            slot_bytes,
         )
-    fits = budget_bytes // (max_slots * bytes_per_position) - headroom
+    positions_bytes = budget_bytes - max_slots * slot_bytes
+    fits = max(positions_bytes, 0) // (max_slots * bytes_per_position) - headroom
     if fits < MIN_POSITIONS:
-        least = max_slots * (MIN_POSITIONS + headroom) * bytes_per_position
+        least = max_slots * ((MIN_POSITIONS + headroom) * bytes_per_position + slot_bytes)
         raise ValueError(
             f"a KV cache of {gib(budget_bytes)} GiB holds {fits} positions per slot for "
             f"{max_slots} slots: the minimum is {gib(least, up=True)} GiB ({max_slots} slots of "
             f"{MIN_POSITIONS}); raise the budget or use fewer slots"
         )
-    if fits >= context_len:
-        return KvSizing(
-            max_slots, context_len, bytes_per_position, "context", False, budget_bytes, headroom
-        )
-    return KvSizing(max_slots, fits, bytes_per_position, "budget", False, budget_bytes, headroom)
+    kept = min(fits, context_len)
+    source: PositionsFrom = "context" if fits >= context_len else "budget"
+    return KvSizing(
+        max_slots, kept, bytes_per_position, source, False, budget_bytes, headroom, slot_bytes
+    )
 
 
 def gib(num_bytes: int, up: bool = False) -> str:

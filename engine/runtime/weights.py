@@ -10,11 +10,16 @@ The store is the one place that knows how weights are stored. Built with a
 dequantized to float32 from its scale, and the scales are not weights:
 ``names()``, ``in`` and ``get`` know them not. Every other tensor comes back
 in the dtype it is stored in; callers cast.
+
+A store may present stored names under other names (``renamed``): Qwen3.5's
+``model.language_model.*`` read as ``model.*``, with its vision tower left out.
+``headers`` still lists every stored tensor under its stored name.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,13 +41,28 @@ class TensorHeader:
 class WeightStore:
     """Names -> safetensors file; tensors are read on demand."""
 
-    def __init__(self, files: dict[str, Path], quant: BlockFp8 | None = None) -> None:
+    def __init__(
+        self,
+        files: dict[str, Path],
+        quant: BlockFp8 | None = None,
+        rename: Callable[[str], str | None] | None = None,
+    ) -> None:
         """``files``: every stored tensor, scales included; ``quant``: how FP8
-        weights are laid out (``None``: the checkpoint declares no quantization)."""
+        weights are laid out (``None``: the checkpoint declares no quantization);
+        ``rename``: the name a stored tensor is read under (None: left out)."""
         self.quant = quant
         self.stored = files
         scales = {quant.scale_name(n) for n in files} & files.keys() if quant else set()
-        self.files = {name: file for name, file in files.items() if name not in scales}
+        self._source: dict[str, str] = {}
+        for name in files:
+            shown = rename(name) if rename is not None else name
+            if name not in scales and shown is not None:
+                self._source[shown] = name
+        self.files = {shown: files[name] for shown, name in self._source.items()}
+
+    def renamed(self, rename: Callable[[str], str | None]) -> WeightStore:
+        """This store's tensors under ``rename``'s names (module doc)."""
+        return WeightStore(self.stored, self.quant, rename)
 
     @classmethod
     def open_folder(cls, folder: Path, quant: BlockFp8 | None = None) -> WeightStore:
@@ -76,9 +96,10 @@ class WeightStore:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.files:
             raise CheckpointError(f"weight {name!r} is missing from the checkpoint")
-        tensor = self._read(name)
+        stored = self._source[name]
+        tensor = self._read(stored)
         if tensor.dtype == torch.float8_e4m3fn:
-            return self._dequantized(name, tensor)
+            return self._dequantized(stored, tensor)
         return tensor
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -86,7 +107,7 @@ class WeightStore:
         if name not in self.files:
             raise CheckpointError(f"weight {name!r} is missing from the checkpoint")
         with safe_open(str(self.files[name]), framework="pt") as handle:
-            return tuple(handle.get_slice(name).get_shape())
+            return tuple(handle.get_slice(self._source[name]).get_shape())
 
     def dtype(self, name: str) -> str:
         """The stored dtype of ``name`` (safetensors' name, e.g. ``"BF16"``),
@@ -94,7 +115,7 @@ class WeightStore:
         if name not in self.files:
             raise CheckpointError(f"weight {name!r} is missing from the checkpoint")
         with safe_open(str(self.files[name]), framework="pt") as handle:
-            return str(handle.get_slice(name).get_dtype())
+            return str(handle.get_slice(self._source[name]).get_dtype())
 
     def headers(self) -> dict[str, TensorHeader]:
         """Every stored tensor, scales included, from the headers only (each

@@ -151,7 +151,7 @@ def test_a_layer_whose_weights_disagree_with_the_config_is_refused(tmp_path: Pat
     ("change", "cause"),
     [
         ({"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
-        ({"model_type": "qwen3_next"}, "linear-attention hybrid"),
+        ({"model_type": "mamba2"}, "unsupported architecture mamba2"),
         ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
         ({"model_type": "mixtral"}, "unsupported architecture mixtral"),
         ({"scoring_func": "softmax"}, "scoring_func"),
