@@ -1,6 +1,7 @@
 """The cost-aware draft policy (``--draft-policy auto``): every source offers
 its drafts, the budget (``budget.py``) picks one source and a prefix per
-sequence, and after the verify every offer is scored.
+sequence, and after the verify every offer is scored; the chain's rest
+(``rest.py``) chooses the sequences the MTP head drafts for.
 
 Contract: ``AutoPolicy`` is a ``DraftPolicy`` (``policy.py``); the step calls
 it at the same points as the fixed policy, and it keeps the fixed rule's
@@ -25,7 +26,7 @@ the plan prices each copy by its agreement instead.
 
 The head: a sequence whose chain is not worth the head forward rests and
 holds its verified rows; the head takes them all, in order, when it drafts
-for it again (``DraftBudget.wants_chain``). The drain: once the stream has
+for it again (``ChainRest.wants_chain``). The drain: once the stream has
 ended and nothing waits, a sequence that would finish before the slowest
 one even without drafts verifies no MTP draft (``sequences_ahead``).
 Whether a sequence drafts depends only on what was emitted before the step,
@@ -43,7 +44,7 @@ import torch
 
 from metrale.engine.config import MtpLadder
 from metrale.engine.sequence import SeqState
-from metrale.engine.spec.budget import HOLD_MAX, Candidates, DraftBudget, tokens_left
+from metrale.engine.spec.budget import Candidates, DraftBudget
 from metrale.engine.spec.copies import (
     CopyTaken,
     copy_path_cap,
@@ -52,6 +53,7 @@ from metrale.engine.spec.copies import (
 from metrale.engine.spec.cost import CostModel, calibrate_model
 from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 from metrale.engine.spec.policy import Feed
+from metrale.engine.spec.rest import HOLD_MAX, ChainRest, tokens_left
 from metrale.engine.stats import BudgetStats
 from metrale.lookup import PromptLookupConfig, SharedLookup
 
@@ -176,6 +178,7 @@ class AutoPolicy:
         without: tuple[str, ...] = (),
     ) -> None:
         self.budget = DraftBudget(costs or CostModel(), without)
+        self.rest = ChainRest(self.budget)
         self.without = frozenset(without)
         self.lookup, self.shared = lookup, shared
         # Any chain may be as long as the ladder's longest: the plan cuts it.
@@ -226,17 +229,16 @@ class AutoPolicy:
         prompt of up to ``HOLD_MAX`` tokens is held until the chain first
         drafts: where drafts do not pay, the head never reads the prompts of
         the sequences whose chains never run."""
-        budget = self.budget
+        rest = self.rest
         if seq.prompt_len <= HOLD_MAX:
-            own = budget.for_seq(seq)
             # Every sequence admitted shares the steps to come, those whose
             # prompts are still being read too.
             live = queues.running() + len(queues.prefilling)
             ahead = complete and seq.slot in self._drain([*queues.decoding, seq], queues)
-            if not complete or not budget.wants_chain(seq, max(live, 1), ahead):
-                own.hold(start, next_ids, rows)
+            if not complete or not rest.wants_chain(seq, max(live, 1), ahead):
+                rest.hold(seq, start, next_ids, rows)
                 return None
-            start, next_ids, rows = own.release(start, next_ids, rows)
+            start, next_ids, rows = rest.release(seq, start, next_ids, rows)
         num_drafts = self.chain_len(seq, 0) if complete else 0
         return DraftFeed(seq, start, next_ids, num_drafts), rows
 
@@ -246,7 +248,7 @@ class AutoPolicy:
         self._released = 0
         seqs = [s for s in batch if not s.finished and s.slot not in self._ahead]
         if "share_head" not in self.without:
-            self.budget.share_head(seqs, queues.running())
+            self.rest.share_head(seqs, queues.running())
 
     def head_feed(
         self,
@@ -257,17 +259,16 @@ class AutoPolicy:
         running: int,
     ) -> Feed | None:
         """A resting chain's rows wait; a drafting one takes them all."""
-        budget = self.budget
-        own = budget.for_seq(seq)
-        if not budget.wants_chain(seq, running, seq.slot in self._ahead):
-            own.hold(start, next_ids, rows)
+        rest = self.rest
+        if not rest.wants_chain(seq, running, seq.slot in self._ahead):
+            rest.hold(seq, start, next_ids, rows)
             return None
-        self._released += own.held_rows()
-        start, next_ids, rows = own.release(start, next_ids, rows)
+        self._released += rest.held_rows(seq)
+        start, next_ids, rows = rest.release(seq, start, next_ids, rows)
         return DraftFeed(seq, start, next_ids, self.chain_len(seq, running)), rows
 
     def head_ran(self, feeds: Sequence[DraftFeed], forwards: int, seconds: float) -> None:
-        self.budget.head_ran(forwards)
+        self.rest.head_ran(forwards)
         if forwards and self._released:
             self.costs.observe_held(self._released, len(feeds), forwards, seconds)
         elif forwards:

@@ -25,6 +25,7 @@ from metrale.engine.spec.budget import (
 from metrale.engine.spec.copies import BATCHED_COPY_MAX
 from metrale.engine.spec.cost import CostModel
 from metrale.engine.spec.plan import Plan
+from metrale.engine.spec.rest import ChainRest
 from metrale.lookup import PromptLookupConfig
 from tests.support.engine_runs import check_figures_add_up
 from tests.support.fake_model import (
@@ -87,6 +88,7 @@ def test_the_head_forward_runs_the_chains_worth_it_together() -> None:
     costs.head.observe(1, 0.001)  # a ms of head forward costs 0.1 token
     costs.head.observe(16, 0.004)  # 4 lines: 1.6 ms, interpolated
     budget = DraftBudget(costs)
+    rest = ChainRest(budget)
     lines = [a_line(slot=i) for i in range(16)]
 
     def running(values: Sequence[float | None]) -> list[int]:
@@ -94,9 +96,9 @@ def test_the_head_forward_runs_the_chains_worth_it_together() -> None:
         assert budget.rate_s == pytest.approx(100.0)
         for seq, value in zip(lines, values, strict=True):
             budget.for_seq(seq).chain_value = value
-            budget.for_seq(seq).since_chain = 0  # no look is due
-        budget.share_head(lines, 16)
-        return [seq.slot for seq in lines if budget.wants_chain(seq, 16)]
+            rest.for_seq(seq).since_chain = 0  # no look is due
+        rest.share_head(lines, 16)
+        return [seq.slot for seq in lines if rest.wants_chain(seq, 16)]
 
     # 0.05 token a step each: alone, none pays its 0.1; all 16 together (0.8)
     # pay their 0.4.
@@ -113,26 +115,26 @@ def test_the_head_forward_runs_the_chains_worth_it_together() -> None:
     newcomer = a_line(slot=16)
     budget.for_seq(newcomer).chain_value = 0.03
     running([0.2] * 4 + [0.01] * 12)
-    assert budget.wants_chain(newcomer, 16)
+    assert rest.wants_chain(newcomer, 16)
     budget.for_seq(newcomer).chain_value = 0.015
-    assert not budget.wants_chain(newcomer, 16)
+    assert not rest.wants_chain(newcomer, 16)
     # ... or a forward of its own (0.1 token) where none was chosen, also
     # after a choice among no lines at all.
-    budget.share_head([], 16)
+    rest.share_head([], 16)
     budget.for_seq(newcomer).chain_value = 0.09
-    assert not budget.wants_chain(newcomer, 16)
+    assert not rest.wants_chain(newcomer, 16)
     budget.for_seq(newcomer).chain_value = 0.11
-    assert budget.wants_chain(newcomer, 16)
+    assert rest.wants_chain(newcomer, 16)
     # Where a step whose chains ran has lately taken three head forwards
     # (chains two drafts deeper), the 16 chains at 0.05 no longer pay 1.2.
     for _ in range(40):
-        budget.head_ran(3)
-    assert budget.forwards == pytest.approx(3.0, abs=0.01)
+        rest.head_ran(3)
+    assert rest.forwards == pytest.approx(3.0, abs=0.01)
     assert running([0.05] * 16) == []
     assert running([0.2] * 16) == list(range(16))
     # A line ahead in a drain rests whatever its chain is worth.
     budget.for_seq(lines[0]).chain_value = 10.0
-    assert not budget.wants_chain(lines[0], 16, ahead=True)
+    assert not rest.wants_chain(lines[0], 16, ahead=True)
 
 
 def test_a_chain_not_valued_yet_is_priced_by_its_first_drafts_confidence() -> None:
@@ -195,6 +197,7 @@ def test_resting_chains_look_in_the_same_step() -> None:
     costs = CostModel(FakeClock())
     costs.head.observe(1, 0.001)
     budget = DraftBudget(costs)
+    rest = ChainRest(budget)
     seqs = [
         SeqState(
             Request(str(i), (1, 2, 3), SamplingParams(max_tokens=64)),
@@ -213,7 +216,7 @@ def test_resting_chains_look_in_the_same_step() -> None:
         for seq in seqs:
             # Slot 0's chain stops paying at step 1, slot 1's at step 6.
             budget.for_seq(seq).chain_value = 1.0 if step < 1 + 5 * seq.slot else 0.0
-            if budget.wants_chain(seq, 2) and budget.for_seq(seq).chain_value == 0.0:
+            if rest.wants_chain(seq, 2) and budget.for_seq(seq).chain_value == 0.0:
                 looks[seq.slot].append(step)
     # Stopped five steps apart, they look on one step (one head forward) from
     # their second look on, and each looks half as often as before.
@@ -229,6 +232,7 @@ def test_looks_that_feed_the_head_more_than_a_forward_go_one_a_step() -> None:
     costs.verify.observe(8, 0.012)
     costs.observe_held(100, 1, 1, 0.006)  # a held row: 0.05 ms, 20 of them a forward
     budget = DraftBudget(costs)
+    rest = ChainRest(budget)
 
     def line(slot: int, held: int) -> SeqState:
         seq = SeqState(
@@ -240,7 +244,7 @@ def test_looks_that_feed_the_head_more_than_a_forward_go_one_a_step() -> None:
             None,
         )
         budget.for_seq(seq).chain_value = 0.0  # valued, and not worth its share
-        budget.for_seq(seq).hold(3, [5] * held, torch.zeros(held, 4))
+        rest.hold(seq, 3, [5] * held, torch.zeros(held, 4))
         return seq
 
     # Two lines hold a prompt of 100 rows (5 ms to feed), two hold 10 (0.5 ms).
@@ -249,11 +253,11 @@ def test_looks_that_feed_the_head_more_than_a_forward_go_one_a_step() -> None:
     for step in range(1, 25):
         budget.plan([Candidates(seq, 1, [], []) for seq in seqs])
         for seq in seqs:
-            if budget.wants_chain(seq, 4):
+            if rest.wants_chain(seq, 4):
                 looks[seq.slot].append(step)
-                budget.for_seq(seq).release(0, [], torch.zeros(0, 4))
+                rest.release(seq, 0, [], torch.zeros(0, 4))
             else:
-                budget.for_seq(seq).hold(0, [5], torch.zeros(1, 4))
+                rest.hold(seq, 0, [5], torch.zeros(1, 4))
     # The light lines look together on steps 8 and 16. Of the heavy ones,
     # one looks on step 8 and the other waits for the next look step, 16
     # (by then the first holds 8 rows, and looks with the light ones).
@@ -315,7 +319,7 @@ def test_no_look_is_made_while_a_sure_draft_would_not_pay_its_row_and_the_head()
 
 
 def test_no_chain_could_pay_where_a_row_costs_a_token_and_could_as_the_batch_thins() -> None:
-    def budget(head_s: float) -> DraftBudget:
+    def rest(head_s: float) -> ChainRest:
         costs = CostModel(FakeClock())
         # One or two rows cost about the same (a narrow product); from 16
         # rows on, every row costs what a 16-row step costs per token.
@@ -323,11 +327,11 @@ def test_no_chain_could_pay_where_a_row_costs_a_token_and_could_as_the_batch_thi
             costs.verify.observe(rows, seconds)
         costs.head.observe(1, head_s)
         costs.head.observe(16, 2 * head_s)
-        return DraftBudget(costs)
+        return ChainRest(DraftBudget(costs))
 
-    assert not budget(0.002).chain_may_pay(16)  # a sure draft's row is a token: nothing left
-    assert budget(0.002).chain_may_pay(1)  # 0.9 token left, the head takes 0.2 of it
-    assert not budget(0.010).chain_may_pay(1)  # a head as dear as the step takes 1 token
+    assert not rest(0.002).chain_may_pay(16)  # a sure draft's row is a token: nothing left
+    assert rest(0.002).chain_may_pay(1)  # 0.9 token left, the head takes 0.2 of it
+    assert not rest(0.010).chain_may_pay(1)  # a head as dear as the step takes 1 token
 
 
 def four_sequence_costs() -> tuple[CostModel, DraftBudget]:
@@ -342,7 +346,8 @@ def four_sequence_costs() -> tuple[CostModel, DraftBudget]:
 
 def test_a_chain_may_pay_by_its_confidence_bins_as_often_as_the_run_meets_them() -> None:
     _, budget = four_sequence_costs()
-    assert budget.chain_margin(4)[0] == pytest.approx(1.0 - 0.25 - 0.2)  # nothing scored: sure
+    rest = ChainRest(budget)
+    assert rest.chain_margin(4)[0] == pytest.approx(1.0 - 0.25 - 0.2)  # nothing scored: sure
     # 40 first drafts at low confidence, none accepted; 10 in the top bin,
     # all accepted: worth (1 - 0.25) a fifth of the steps, 0.15 token, under
     # the head's 0.2.
@@ -350,28 +355,29 @@ def test_a_chain_may_pay_by_its_confidence_bins_as_often_as_the_run_meets_them()
         budget.rates.observe(("mtp", 0, 0), False)
     for _ in range(10):
         budget.rates.observe(("mtp", 0, 5), True)
-    assert not budget.chain_may_pay(4)
+    assert not rest.chain_may_pay(4)
     # Four times as many in the top bin: worth 0.75 * 40/80 = 0.375 token.
     for _ in range(30):
         budget.rates.observe(("mtp", 0, 5), True)
-    assert budget.chain_may_pay(4)
-    assert budget.chain_margin(4)[0] == pytest.approx(0.175, abs=0.02)
+    assert rest.chain_may_pay(4)
+    assert rest.chain_margin(4)[0] == pytest.approx(0.175, abs=0.02)
 
 
 def test_the_chain_margin_kept_between_asks_follows_every_figure_it_reads() -> None:
     costs, budget = four_sequence_costs()
-    first = budget.chain_margin(4)[0]
-    assert first == pytest.approx(0.55) and budget.chain_margin(4)[0] == first
+    rest = ChainRest(budget)
+    first = rest.chain_margin(4)[0]
+    assert first == pytest.approx(0.55) and rest.chain_margin(4)[0] == first
     # Each figure below moves by ALPHA (0.15) towards what is measured.
     costs.head.observe(4, 0.008)  # the head: 4.6 ms, its share 0.2 -> 0.23 token
-    assert budget.chain_margin(4)[0] == pytest.approx(0.52)
+    assert rest.chain_margin(4)[0] == pytest.approx(0.52)
     costs.verify.observe(8, 0.030)  # 8 rows: 25.75 ms, a row 0.25 -> 0.2875 token
-    assert budget.chain_margin(4)[0] == pytest.approx(0.4825)
+    assert rest.chain_margin(4)[0] == pytest.approx(0.4825)
     costs.observe_other(0.020)  # a 40 ms step: every token's share halves
-    assert budget.chain_margin(4)[0] == pytest.approx(0.74125)
+    assert rest.chain_margin(4)[0] == pytest.approx(0.74125)
     budget.rates.observe(("mtp", 0, 5), False)  # a first draft missed: worth 2/3
-    assert budget.chain_margin(4)[0] == pytest.approx(2 / 3 - 0.14375 - 0.115)
-    assert budget.chain_margin(2) != budget.chain_margin(4)
+    assert rest.chain_margin(4)[0] == pytest.approx(2 / 3 - 0.14375 - 0.115)
+    assert rest.chain_margin(2) != rest.chain_margin(4)
 
 
 def one_sequence_costs() -> tuple[CostModel, DraftBudget]:
@@ -387,9 +393,10 @@ def one_sequence_costs() -> tuple[CostModel, DraftBudget]:
 
 def test_a_look_must_repay_the_rows_it_feeds_the_head_before_the_line_ends() -> None:
     costs, budget = one_sequence_costs()
+    rest = ChainRest(budget)
     # At 1 sequence, 100 tokens/s: a sure draft adds 1 - 0.1 (its row) - 0.1
     # (the head) = 0.8 token a step at most.
-    margin, rate = budget.chain_margin(1)
+    margin, rate = rest.chain_margin(1)
     assert margin == pytest.approx(0.8) and rate == pytest.approx(100.0)
     # Before a catch-up is measured, a held row costs a sixteenth of the
     # widest calibrated head forward: 0.5 ms.
@@ -399,37 +406,38 @@ def test_a_look_must_repay_the_rows_it_feeds_the_head_before_the_line_ends() -> 
         request = Request("a", (1, 2, 3), SamplingParams(max_tokens=tokens_left))
         seq = SeqState(request, 0, 1024, frozenset(), None, None)
         if held:
-            budget.for_seq(seq).hold(3, [5] * held, torch.zeros(held, 4))
+            rest.hold(seq, 3, [5] * held, torch.zeros(held, 4))
         return seq
 
     # 100 held rows: 50 ms, 5 tokens at this rate; 0.8 token a step repays
     # it over 7 tokens left, not over 6.
-    assert budget.look_may_pay(line(7, 100), 1)
-    assert not budget.look_may_pay(line(6, 100), 1)
-    assert budget.look_may_pay(line(1, 0), 1)  # nothing held: a look costs its step only
+    assert rest.look_may_pay(line(7, 100), 1)
+    assert not rest.look_may_pay(line(6, 100), 1)
+    assert rest.look_may_pay(line(1, 0), 1)  # nothing held: a look costs its step only
     # A catch-up measured: 40 held rows took 4 ms beyond the head's 1 ms.
     costs.observe_held(40, 1, 1, 0.005)
     assert costs.held_row_s() == pytest.approx(0.0001)
-    assert budget.look_may_pay(line(2, 100), 1)  # 1 token to repay now
-    assert not budget.look_may_pay(line(1, 100), 1)
+    assert rest.look_may_pay(line(2, 100), 1)  # 1 token to repay now
+    assert not rest.look_may_pay(line(1, 100), 1)
 
 
 def test_a_chain_worth_its_share_waits_while_its_held_rows_would_not_be_repaid() -> None:
     # The costs of the test above: a sure draft adds 0.8 token a step at one
     # sequence, a held row costs 0.5 ms, 0.05 token at 100 tokens/s.
     _, budget = one_sequence_costs()
+    rest = ChainRest(budget)
 
     def line(tokens_left: int, held: int) -> SeqState:
         request = Request("a", (1, 2, 3), SamplingParams(max_tokens=tokens_left))
         seq = SeqState(request, 0, 1024, frozenset(), None, None)
         budget.for_seq(seq).chain_value = 1.0  # worth far more than its share
         if held:
-            budget.for_seq(seq).hold(3, [5] * held, torch.zeros(held, 4))
+            rest.hold(seq, 3, [5] * held, torch.zeros(held, 4))
         return seq
 
-    assert budget.wants_chain(line(6, 0), 1)  # nothing held: it drafts
-    assert budget.wants_chain(line(7, 100), 1)  # 5 tokens to repay over 7 left
-    assert not budget.wants_chain(line(6, 100), 1)  # ... not over 6
+    assert rest.wants_chain(line(6, 0), 1)  # nothing held: it drafts
+    assert rest.wants_chain(line(7, 100), 1)  # 5 tokens to repay over 7 left
+    assert not rest.wants_chain(line(6, 100), 1)  # ... not over 6
 
 
 # -- the engine on costed fakes ---------------------------------------------------

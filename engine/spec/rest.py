@@ -1,0 +1,324 @@
+"""The chain's rest: for which sequences the MTP head drafts after a verify,
+under the draft budget (``--draft-policy auto``).
+
+Contract: ``AutoPolicy`` (``auto.py``) asks ``share_head`` once before the
+head's forward, then ``wants_chain`` per sequence (and per prompt chunk of a
+sequence whose prompt it holds), and reports the forward with ``head_ran``.
+A sequence whose chain is not wanted rests: its verified rows are kept
+(``hold``) instead of fed, and the head takes every one of them, in order,
+in one feed when it drafts for it again (``release``); held feeds are
+contiguous. What a chain is worth is the budget's (``budget.py``:
+``chain_value``, ``predicted_value``, the rate and the costs); this module
+only reads it, and keeps each sequence's place in the head's schedule.
+
+The shared head: the head forward after a verify drafts for the chains worth
+it together (``share_head``: a forward costs little more for many sequences
+than for one). The looks: a resting chain looks again now and then, on a
+doubling spacing shared by the batch, so that a chain that starts to pay
+again is seen to (``wants_chain``); a chain never valued scouts, one a look.
+No look is made that could not repay the head's time over the rows it holds
+before the sequence ends (``look_may_pay``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from metrale.engine.sequence import SeqState
+from metrale.engine.spec.budget import DraftBudget
+from metrale.engine.spec.estimates import CONFIDENCE_EDGES, RUN_STRENGTH
+
+# How fast the head forwards a step whose chains ran follows the latest.
+FORWARDS_ALPHA = 0.2
+# A chain not among those worth a head forward together (``share_head``,
+# ``wants_chain``) rests, holding its rows (its prompt's too, when it rests
+# from the start); the head is fed them all in one forward when it drafts
+# again: on a look, about every ``EXPLORE_EVERY`` steps (to learn whether the
+# chain pays again; twice as far apart after each look that finds it does
+# not, up to ``EXPLORE_MAX``), or once ``HOLD_MAX`` rows wait.
+EXPLORE_EVERY = 8
+EXPLORE_MAX = 64
+HOLD_MAX = 512
+
+
+def tokens_left(seq: SeqState) -> int:
+    """The most tokens ``seq`` may still write: by ``max_tokens`` and its slot's room."""
+    room = seq.max_len - max(seq.seq_len, seq.prompt_len)
+    return min(room, seq.request.params.max_tokens - len(seq.output_ids))
+
+
+@dataclass
+class SeqRest:
+    """One sequence's place in the head's schedule, and the verified rows the
+    head has not been fed yet while its chain rests."""
+
+    # The ``share_head`` choice this sequence was last priced in (its count),
+    # and whether its chain was among those chosen there.
+    shared_at: int = -1
+    shared: bool = False
+    since_chain: int = 0  # steps since the chain last drafted
+    explore_every: int = EXPLORE_EVERY  # steps between looks while it rests
+    held: list[tuple[int, list[int], torch.Tensor]] = field(default_factory=list)
+    _held_count: int = 0  # rows in ``held``: asked several times a step by every sequence
+
+    def hold(self, start: int, next_ids: list[int], rows: torch.Tensor) -> None:
+        """Keeps a verify's final rows for the head instead of feeding them."""
+        self.held.append((start, next_ids, rows.clone()))
+        self._held_count += len(next_ids)
+
+    def release(
+        self, start: int, next_ids: list[int], rows: torch.Tensor
+    ) -> tuple[int, list[int], torch.Tensor]:
+        """This verify's rows with every held one before them, as one feed:
+        held feeds are contiguous (each starts where the one before ended)."""
+        if not self.held:
+            return start, next_ids, rows
+        first = self.held[0][0]
+        ids = [t for _, held_ids, _ in self.held for t in held_ids] + next_ids
+        hidden = torch.cat([r for _, _, r in self.held] + [rows])
+        self.held, self._held_count = [], 0
+        return first, ids, hidden
+
+    def held_rows(self) -> int:
+        return self._held_count
+
+
+class ChainRest:
+    """Which chains the head drafts for, priced by ``budget`` (module doc)."""
+
+    def __init__(self, budget: DraftBudget) -> None:
+        self.budget = budget
+        self._seqs: weakref.WeakKeyDictionary[SeqState, SeqRest] = weakref.WeakKeyDictionary()
+        # ``share_head``'s choices so far, and how many chains the last chose.
+        self._shares = 0
+        self._sharing = 0
+        self.forwards = 1.0  # head forwards a step whose chains ran, decayed
+        self._scout_every = EXPLORE_EVERY  # steps between looks of chains not valued
+        self._scouted = -1  # the plan count of the last such look, or of a dear one
+        # ``chain_margin``'s last answer, by live count and the versions of
+        # what it reads: every resting sequence of a batch asks it every step.
+        self._margin: tuple[object, tuple[float, float]] | None = None
+
+    def for_seq(self, seq: SeqState) -> SeqRest:
+        own = self._seqs.get(seq)
+        if own is None:
+            own = self._seqs[seq] = SeqRest()
+        return own
+
+    def hold(self, seq: SeqState, start: int, next_ids: list[int], rows: torch.Tensor) -> None:
+        """Keeps ``seq``'s rows for the head (``SeqRest.hold``): its chain rests."""
+        self.for_seq(seq).hold(start, next_ids, rows)
+        self.budget.drop_chain(seq)
+
+    def release(
+        self, seq: SeqState, start: int, next_ids: list[int], rows: torch.Tensor
+    ) -> tuple[int, list[int], torch.Tensor]:
+        """``seq``'s feed with every row it held (``SeqRest.release``)."""
+        return self.for_seq(seq).release(start, next_ids, rows)
+
+    def held_rows(self, seq: SeqState) -> int:
+        return self.for_seq(seq).held_rows()
+
+    # -- what a look could pay --------------------------------------------------
+
+    def chain_may_pay(self, live: int) -> bool:
+        """Whether any chain could pay at these costs (``chain_margin`` > 0)."""
+        return self.chain_margin(live)[0] > 0
+
+    def chain_margin(self, live: int) -> tuple[float, float]:
+        """The most a chain could add a step, in tokens, and the rate that
+        prices it, on a plain step of ``live`` rows at that step's rate:
+        its first draft's worth less its verify row, where the plan would
+        verify it, less its share of a head forward that all ``live``
+        sequences share, which it pays every step. The first draft's worth
+        is read per confidence bin, weighed by how often the run's first
+        drafts fell in it, each bin's acceptance taken as high as its counts
+        allow (a bin seen little is believed sure): a head whose top bin is
+        right but rare is worth that bin's share of steps. Before any first
+        draft was scored, a draft sure to be accepted. The bound takes no
+        account of the copies or drafts the plan would otherwise verify (a
+        chain only ever replaces them), nor of how few chains the head
+        forward drafts for (``share_head``)."""
+        key = (live, self.budget.costs.version, self.budget.rates.observed)
+        if self._margin is None or self._margin[0] != key:
+            self._margin = key, self._chain_margin(live)
+        return self._margin[1]
+
+    def _chain_margin(self, live: int) -> tuple[float, float]:
+        costs, rates = self.budget.costs, self.budget.rates
+        step_s = costs.step_s(live)
+        if step_s <= 0:  # nothing measured yet
+            return 1.0, 0.0
+        rate = live / step_s
+        row = rate * self.budget.marginal(live, live)
+        head = rate * costs.head.predict(live) / live
+        bins = [rates.counts(("mtp", 0, b)) for b in range(len(CONFIDENCE_EDGES) + 1)]
+        total = sum(seen for _, seen in bins)
+        if total <= 0:
+            return 1.0 - row - head, rate
+        worth = sum(
+            seen / total * max((accepted + RUN_STRENGTH) / (seen + RUN_STRENGTH) - row, 0.0)
+            for accepted, seen in bins
+        )
+        return worth - head, rate
+
+    def look_may_pay(self, seq: SeqState, live: int) -> bool:
+        """Whether a look at ``seq``'s resting chain could pay for itself:
+        the most the chain could add a step (``chain_margin``), over every
+        token the sequence has left to write (a step makes one at least), against
+        the head's time over the rows the chain holds, which the look feeds
+        it (``CostModel.held_row_s``)."""
+        margin, rate = self.chain_margin(live)
+        if margin <= 0:
+            return False
+        held = self.for_seq(seq).held_rows()
+        return margin * tokens_left(seq) > rate * held * self.budget.costs.held_row_s()
+
+    # -- the shared head ----------------------------------------------------------
+
+    def share_head(self, sequences: Sequence[SeqState], live: int) -> None:
+        """Chooses, for the head forward after this verify, the chains worth
+        it together: the ``k`` sequences of highest value (``chain_value``, or
+        ``predicted_value`` for a chain not valued yet) whose values sum
+        furthest above the time of the head's forwards feeding ``k``, in
+        tokens at the current rate (as many forwards as a step whose chains
+        ran has lately taken, ``head_ran``: a chain that goes deeper runs
+        one more); ``wants_chain`` starts those chains. ``sequences``:
+        those that may draft (not ahead in a drain); a sequence whose held rows
+        its chain could not repay (``look_may_pay``) is left out. A sequence
+        this choice did not price (its prompt completes before its first
+        verify) joins where its value pays what its feed adds to the
+        forward (``_joins``). The forward is priced as if only the chosen
+        chains fed it: looks and scouts that will share it are not known
+        yet, so a chain may be left out whose feed would have cost less.
+
+        A head forward costs little more for many sequences than for one, so
+        whether a chain pays its share depends on how many others run
+        theirs: priced one at a time, each would be charged the whole
+        forward."""
+        budget = self.budget
+        self._shares += 1
+        rate = budget.chain_rate(live)
+        valued: list[tuple[float, SeqRest]] = []
+        for seq in sequences:
+            own = self.for_seq(seq)
+            own.shared_at, own.shared = self._shares, False
+            if own.held_rows() and not self.look_may_pay(seq, live):
+                continue
+            value = budget.for_seq(seq).chain_value
+            if value is None:
+                value = budget.predicted_value(seq, live)
+            valued.append((value, own))
+        valued.sort(key=lambda item: item[0], reverse=True)
+        best, total, chosen = 0.0, 0.0, 0
+        for k, (value, _) in enumerate(valued, 1):
+            total += value
+            gain = total - rate * self.forwards * budget.costs.head.predict(k)
+            if gain > best:
+                best, chosen = gain, k
+        for _, own in valued[:chosen]:
+            own.shared = True
+        self._sharing = chosen
+
+    def _joins(self, value: float, live: int) -> bool:
+        """Whether a chain of ``value`` that ``share_head`` did not price
+        pays what its feed adds to the head forward the chosen chains run
+        (a forward of its own when none was chosen)."""
+        rate, head, k = self.budget.chain_rate(live), self.budget.costs.head, self._sharing
+        added = head.predict(k + 1) - head.predict(k) if k else head.predict(1)
+        return value >= rate * self.forwards * added
+
+    def head_ran(self, forwards: int) -> None:
+        """The drafter call after a verify ran ``forwards`` head forwards
+        (``share_head`` prices a step's chains by them)."""
+        if forwards:
+            self.forwards += FORWARDS_ALPHA * (forwards - self.forwards)
+
+    # -- rest and looks -----------------------------------------------------------
+
+    def wants_chain(self, seq: SeqState, live: int, ahead: bool = False) -> bool:
+        """Whether the head drafts for ``seq`` after this verify: while the
+        chain is among those worth the head forward together (``share_head``,
+        or ``_joins`` for a sequence it did not price), on a look, or when
+        ``HOLD_MAX`` rows wait.
+        (Further positions of the chain pay their own forwards,
+        ``DraftBudget.deeper``.)
+
+        Looks: a resting chain looks on the first step, half its spacing or
+        more after it stopped, whose plan count is a multiple of that spacing
+        (``EXPLORE_EVERY``, doubled after each look that found the chain not
+        worth it). Spacings are powers of two, so the looks of a batch fall
+        in one head forward rather than one each. A chain never valued (it
+        has not run: ``predicted_value`` stands for it) looks as a scout:
+        one such sequence a look, on the run's own doubling spacing, so that
+        a first batch where drafts do not pay learns the chain's acceptance
+        without feeding the head every prompt. A look whose held rows cost
+        the head more than a forward of its own takes a scout's turn too,
+        one a step: sharing a forward saves such looks little, and one look
+        tells the run what 16 would. A sequence ``ahead`` in a
+        drain (``auto.sequences_ahead``) verifies no MTP draft, so its chain
+        rests without looks until ``HOLD_MAX`` rows wait.
+
+        No look and no scout is made while it could not pay for the head's
+        time over the rows the chain holds (``look_may_pay``): where a
+        verify row costs about a token's share of the step, every look would
+        be a head forward, held prompt and all, for nothing. Looks resume as
+        soon as the costs allow, as a batch thins out, unless the sequence is
+        too near its end. Nor does a chain worth its share start while it
+        holds rows that it could not repay."""
+        budget, own = self.budget, self.for_seq(seq)
+        if ahead and own.held_rows() < HOLD_MAX:
+            return False
+        if "rest" in budget.without:
+            return True
+        own.since_chain += 1
+        live = max(live, 1)
+        value = budget.for_seq(seq).chain_value
+        valued = value is not None
+        if own.shared_at == self._shares:
+            worth = own.shared  # held rows it could not repay: left out there
+        else:
+            if value is None:
+                value = budget.predicted_value(seq, live)
+            worth = self._joins(value, live)
+            worth = worth and (not own.held_rows() or self.look_may_pay(seq, live))
+        if worth:
+            own.since_chain, own.explore_every = 0, EXPLORE_EVERY
+            return True
+        if own.held_rows() >= HOLD_MAX:
+            own.since_chain = 0
+            return True
+        if "looks" in budget.without or not self.look_may_pay(seq, live):
+            return False
+        if not valued:
+            if budget.planned % self._scout_every or not self._scout_turn():
+                return False
+            self._scout_every = min(2 * self._scout_every, EXPLORE_MAX)
+            own.since_chain = 0
+            return True
+        every = own.explore_every
+        if 2 * own.since_chain < every or budget.planned % every:
+            return False
+        if self._feeds_more_than_a_forward(own) and not self._scout_turn():
+            return False  # a look that costs as a scout does waits for a scout's turn
+        # A look that finds the chain still not worth it looks half as often.
+        own.since_chain = 0
+        own.explore_every = min(2 * every, EXPLORE_MAX)
+        return True
+
+    def _scout_turn(self) -> bool:
+        """Takes this step's one turn for a scout or a dear look, if still free."""
+        if self._scouted == self.budget.planned:
+            return False
+        self._scouted = self.budget.planned
+        return True
+
+    def _feeds_more_than_a_forward(self, own: SeqRest) -> bool:
+        """Whether feeding the head the rows ``own`` holds costs more than
+        a head forward of its own (``wants_chain``: such looks go one a step)."""
+        costs = self.budget.costs
+        return own.held_rows() * costs.held_row_s() > costs.head.predict(1)
