@@ -1,5 +1,6 @@
 """Builds and binds metrale's C kernels: ``kernels/packed_linear.c`` (linear
-layers over packed weights), ``kernels/attention.c`` (decode and verify
+layers over packed weights; its tiles in ``packed_tiles.c``, its register
+paths in ``packed_rows.c``), ``kernels/attention.c`` (decode and verify
 attention over the KV cache) and ``kernels/layer_ops.c`` (the norms, rotary
 embedding, cache write and SwiGLU between them); see their headers for the
 maths.
@@ -31,9 +32,18 @@ from metrale.engine.load.home import metrale_home
 
 KERNELS = Path(__file__).parent
 SOURCES = tuple(
-    KERNELS / name for name in ("packed_linear.c", "attention.c", "layer_ops.c", "decoder_layers.c")
+    KERNELS / name
+    for name in (
+        "packed_linear.c",
+        "packed_tiles.c",
+        "packed_rows.c",
+        "attention.c",
+        "layer_ops.c",
+        "decoder_layers.c",
+    )
 )
-HEADERS = (KERNELS / "vector_math.h",)  # included by the sources: hashed with them
+# Included by the sources: hashed with them.
+HEADERS = tuple(KERNELS / name for name in ("packed.h", "vector_math.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 FORMATS = {"q4_1": 0, "q8_0": 1, "bf16": 2}
 LAYER_FIELDS = 16  # int64 fields of a layer in decoder_layers.c's table
