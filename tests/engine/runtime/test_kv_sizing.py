@@ -96,6 +96,30 @@ def test_the_rule_is_the_largest_shape_of_its_kind_that_fits() -> None:
             assert s.max_len == context or max_slots * (s.max_len + 1) * per_position > budget
 
 
+def test_a_slots_fixed_state_is_budgeted_with_its_positions() -> None:
+    """A model with linear layers holds ``slot_bytes`` per slot whatever its
+    length: each shape stays the largest that fits with them counted."""
+    rng = random.Random(1)
+    for _ in range(500):
+        per_position, max_slots = rng.randint(1, 5000), rng.randint(1, 32)
+        slot_bytes, headroom = rng.randint(1, 10**6), rng.choice([0, 16])
+        context = rng.randint(2, 10_000)
+        asked = rng.choice([None, rng.randint(2, context)])
+        budget = rng.randint(1, 10**9)
+        try:
+            s = size_kv_cache(budget, per_position, max_slots, context, asked, headroom, slot_bytes)
+        except ValueError:
+            continue
+        assert s.cache_bytes <= budget
+        one_slot = (s.max_len + headroom) * per_position + slot_bytes
+        assert s.cache_bytes == s.num_slots * one_slot
+        if asked is not None:
+            assert s.num_slots == max_slots or (s.num_slots + 1) * one_slot > budget
+        else:
+            wider = max_slots * ((s.max_len + 1 + headroom) * per_position + slot_bytes)
+            assert s.max_len == context or wider > budget
+
+
 @pytest.mark.parametrize(
     ("max_len", "needles"),
     [
