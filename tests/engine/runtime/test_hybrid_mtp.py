@@ -148,3 +148,15 @@ def test_an_exact_mtp_layer_has_every_draft_accepted(tmp_path: Path) -> None:
     assert stats.mtp_proposed > 3 * len(PROMPTS)
     assert stats.mtp_accepted == stats.mtp_proposed
     assert all(len(out) == MAX_TOKENS for out in got.values())
+
+
+def test_two_mtp_layers_run_in_order_and_keep_the_output(tmp_path: Path) -> None:
+    """``mtp_num_hidden_layers: 2``: modules share fc and norms, module ``i``
+    runs ``mtp.layers.{i}``; drafting with both never changes the output."""
+    path = write_hybrid_checkpoint(tmp_path, "qwen3_next", mtp_layers=2)
+    loaded = _load(path)
+    assert loaded.info.mtp_count == 2
+    with_mtp, engine = _run(loaded, draft_policy="fixed", prompt_lookup=None, mtp_min_prob=0.0)
+    assert engine.stats().mtp_proposed > 0
+    without, _ = _run(_load(path), mtp=False, prompt_lookup=None)
+    assert with_mtp == without
