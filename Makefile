@@ -68,6 +68,7 @@ bench-lookup: setup
 bench-runtime: setup
 	$(PY) -m metrale.engine.bench.runtime
 	$(PY) -m metrale.engine.bench.runtime --moe
+	$(PY) -m metrale.engine.bench.hybrid
 
 # The packed kernel built for this CPU next to the same source built without
 # AVX-512 (on a CPU that has it), over the default model's products, outputs
