@@ -28,7 +28,9 @@ expected tokens over the predicted step time (``cost.py``) wins. What the
 chain added to a step's plan, over the other source, is its value, followed
 from step to step. A chain runs one more position only where that draft,
 with every one before it, is worth its verify row and its share of the head
-forward (``deeper``).
+forward (``deeper``). What a chain added to a plan (``chain_worth``) and what
+one not valued yet is expected to add (``first_draft_worth``) are pure
+functions; ``DraftBudget`` keeps the state they are asked about.
 
 Exactness: the plan only decides how many drafts a verify checks. For a
 sampled request nothing it uses depends on a draft's draw: its first draft is
@@ -40,12 +42,12 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.copies import bucket_width
-from metrale.engine.spec.cost import CostModel
+from metrale.engine.spec.cost import CostModel, RunningCosts
 from metrale.engine.spec.estimates import (
     CONFIDENCE_EDGES,
     COPY_POSITIONS,
@@ -177,10 +179,7 @@ class DraftBudget:
         it is worth its row, so a bin worth less adds nothing. Before any
         first draft was scored: the sequence's first-draft estimate less its row."""
         _, row, shares = self._first_draft_terms(live)
-        rates = self.for_seq(seq).rates
-        if not shares:
-            return rates.rate(("mtp", 0)) - row
-        return sum(share * max(rates.rate(("mtp", 0, b)) - row, 0.0) for b, share in shares)
+        return first_draft_worth(self.for_seq(seq).rates, row, shares)
 
     def chain_rate(self, live: int) -> float:
         """The rate that prices a chain, in tokens/s: the last plan's, or
@@ -204,18 +203,12 @@ class DraftBudget:
                 step_s = self.costs.step_s(live)
                 rate = live / step_s if step_s > 0 else 0.0
                 marginal = self.marginal(live, live)
-            bins = [self.rates.counts(("mtp", 0, b))[1] for b in range(len(CONFIDENCE_EDGES) + 1)]
-            total = sum(bins)
-            shares = [(b, seen / total) for b, seen in enumerate(bins) if seen > 0] if total else []
-            self._terms = key, (rate, rate * marginal, shares)
+            self._terms = key, (rate, rate * marginal, first_draft_shares(self.rates))
         return self._terms[1]
 
     def marginal(self, rows: int, seqs: int) -> float:
-        """Seconds of one more verify row for each of ``seqs`` sequences on a
-        verify of ``rows`` rows, per row."""
-        step = max(seqs, 1)
-        verify = self.costs.verify
-        return max((verify.predict(rows + step) - verify.predict(rows)) / step, 0.0)
+        """``marginal_row_s`` at the measured verify costs."""
+        return marginal_row_s(self.costs.verify, rows, seqs)
 
     # -- the plan -------------------------------------------------------------
 
@@ -242,7 +235,8 @@ class DraftBudget:
         self.marginal_s = self.marginal(plan.rows, len(candidates))
         for c, opts, names, choice in zip(candidates, options, sources, plan.choices, strict=True):
             if names and names[0] == "mtp":
-                self._value_chain(c.seq, self._chain_worth(opts, choice, plan), len(candidates))
+                worth = chain_worth(opts, choice, plan, self.costs.step_s)
+                self._value_chain(c.seq, worth, len(candidates))
         picked: list[tuple[str, int]] = []
         for names, (o, n) in zip(sources, plan.choices, strict=True):
             if n == 0:
@@ -253,26 +247,8 @@ class DraftBudget:
                 picked.append((names[o], n))
         return picked
 
-    def _chain_worth(self, opts: list[list[float]], choice: tuple[int, int], plan: Plan) -> float:
-        """What the chain (``opts[0]``) added to this step, in tokens at the
-        plan's rate: its expected accepted drafts less the time of the rows
-        they took, over the best the other source could have done with the
-        rest of the plan as chosen; 0 when the plan did not take it."""
-        o, n = choice
-        if n == 0 or o != 0:
-            return 0.0
-        rate, step_s = plan.rate, self.costs.step_s
-        without = plan.rows - n
-        base = step_s(without)
-        worth = opts[0][n - 1] - rate * (plan.seconds - base)
-        other = 0.0
-        if len(opts) > 1:
-            for m, gain in enumerate(opts[1], 1):
-                other = max(other, gain - rate * (step_s(without + m) - base))
-        return max(worth - other, 0.0)
-
     def _value_chain(self, seq: SeqState, value: float, live: int) -> None:
-        """Follows what the chain adds a step (``_chain_worth``), from what it
+        """Follows what the chain adds a step (``chain_worth``), from what it
         was expected to (``predicted_value``) before it first ran."""
         budget = self.for_seq(seq)
         own = budget.chain_value
@@ -364,3 +340,63 @@ class DraftBudget:
             ),
             mtp_acceptance=tuple(self.rates.rate(("mtp", d)) for d in range(3)),
         )
+
+
+def chain_worth(
+    opts: Sequence[Sequence[float]],
+    choice: tuple[int, int],
+    plan: Plan,
+    step_s: Callable[[int], float],
+) -> float:
+    """What a sequence's chain added to a step, in tokens at the plan's rate:
+    its expected accepted drafts less the time of the rows they took, over
+    the best the sequence's other source could have done with the rest of
+    the plan as chosen; 0 when the plan did not take the chain.
+
+    ``opts``: the sequence's gains (``plan.py``), the chain's first and its
+    copy's, if any, second; ``choice``: the plan's ``(source, drafts)`` for
+    it; ``step_s``: seconds of a step by its rows. Example: rows at 3 ms
+    over a 10 ms step, a chain of gains [0.9, 1.6] taken whole (3 rows in
+    16 ms, 2.6 tokens: 162.5 tokens/s) beside a copy of [0.5]: the chain's
+    1.6 less its 6 ms (0.975 token) is 0.625; the copy's 0.5 less its 3 ms
+    (0.4875) is 0.0125; the chain added 0.6125."""
+    o, n = choice
+    if n == 0 or o != 0:
+        return 0.0
+    rate = plan.rate
+    without = plan.rows - n
+    base = step_s(without)
+    worth = opts[0][n - 1] - rate * (plan.seconds - base)
+    other = 0.0
+    if len(opts) > 1:
+        for m, gain in enumerate(opts[1], 1):
+            other = max(other, gain - rate * (step_s(without + m) - base))
+    return max(worth - other, 0.0)
+
+
+def first_draft_shares(rates: Rates) -> list[tuple[int, float]]:
+    """``(confidence bin, share)`` of the run's scored first MTP drafts that
+    fell in each bin seen; ``[]`` before any was scored."""
+    bins = [rates.counts(("mtp", 0, b))[1] for b in range(len(CONFIDENCE_EDGES) + 1)]
+    total = sum(bins)
+    return [(b, seen / total) for b, seen in enumerate(bins) if seen > 0] if total else []
+
+
+def first_draft_worth(rates: Rates, row: float, shares: Sequence[tuple[int, float]]) -> float:
+    """What a chain not valued yet is expected to add a step
+    (``DraftBudget.predicted_value``): its first draft's acceptance less
+    ``row``, the draft's verify row in tokens, read per confidence bin and
+    weighed by ``shares`` (``first_draft_shares``). The plan verifies a
+    draft only where it is worth its row, so a bin worth less adds nothing.
+    Before any first draft was scored (no shares): the first-draft estimate
+    less its row, which may be below 0."""
+    if not shares:
+        return rates.rate(("mtp", 0)) - row
+    return sum(share * max(rates.rate(("mtp", 0, b)) - row, 0.0) for b, share in shares)
+
+
+def marginal_row_s(verify: RunningCosts, rows: int, seqs: int) -> float:
+    """Seconds of one more verify row for each of ``seqs`` sequences on a
+    verify of ``rows`` rows, per row (never below 0)."""
+    step = max(seqs, 1)
+    return max((verify.predict(rows + step) - verify.predict(rows)) / step, 0.0)

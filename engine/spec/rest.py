@@ -18,6 +18,10 @@ doubling spacing shared by the batch, so that a chain that starts to pay
 again is seen to (``wants_chain``); a chain never valued scouts, one a look.
 No look is made that could not repay the head's time over the rows it holds
 before the sequence ends (``look_may_pay``).
+
+What pays is decided by pure functions of the costs and estimates
+(``chain_margin``, ``look_may_pay``, ``chains_sharing``, ``joins``);
+``ChainRest`` keeps the state they are asked about.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from dataclasses import dataclass, field
 import torch
 
 from metrale.engine.sequence import SeqState
-from metrale.engine.spec.budget import DraftBudget
-from metrale.engine.spec.estimates import CONFIDENCE_EDGES, RUN_STRENGTH
+from metrale.engine.spec.budget import DraftBudget, marginal_row_s
+from metrale.engine.spec.cost import CostModel, RunningCosts
+from metrale.engine.spec.estimates import CONFIDENCE_EDGES, RUN_STRENGTH, Rates
 
 # How fast the head forwards a step whose chains ran follows the latest.
 FORWARDS_ALPHA = 0.2
@@ -130,53 +135,19 @@ class ChainRest:
         return self.chain_margin(live)[0] > 0
 
     def chain_margin(self, live: int) -> tuple[float, float]:
-        """The most a chain could add a step, in tokens, and the rate that
-        prices it, on a plain step of ``live`` rows at that step's rate:
-        its first draft's worth less its verify row, where the plan would
-        verify it, less its share of a head forward that all ``live``
-        sequences share, which it pays every step. The first draft's worth
-        is read per confidence bin, weighed by how often the run's first
-        drafts fell in it, each bin's acceptance taken as high as its counts
-        allow (a bin seen little is believed sure): a head whose top bin is
-        right but rare is worth that bin's share of steps. Before any first
-        draft was scored, a draft sure to be accepted. The bound takes no
-        account of the copies or drafts the plan would otherwise verify (a
-        chain only ever replaces them), nor of how few chains the head
-        forward drafts for (``share_head``)."""
-        key = (live, self.budget.costs.version, self.budget.rates.observed)
+        """``chain_margin`` at the run's costs and estimates, kept until
+        either moves: every resting sequence of a batch asks it every step."""
+        costs, rates = self.budget.costs, self.budget.rates
+        key = (live, costs.version, rates.observed)
         if self._margin is None or self._margin[0] != key:
-            self._margin = key, self._chain_margin(live)
+            self._margin = key, chain_margin(costs, rates, live)
         return self._margin[1]
 
-    def _chain_margin(self, live: int) -> tuple[float, float]:
-        costs, rates = self.budget.costs, self.budget.rates
-        step_s = costs.step_s(live)
-        if step_s <= 0:  # nothing measured yet
-            return 1.0, 0.0
-        rate = live / step_s
-        row = rate * self.budget.marginal(live, live)
-        head = rate * costs.head.predict(live) / live
-        bins = [rates.counts(("mtp", 0, b)) for b in range(len(CONFIDENCE_EDGES) + 1)]
-        total = sum(seen for _, seen in bins)
-        if total <= 0:
-            return 1.0 - row - head, rate
-        worth = sum(
-            seen / total * max((accepted + RUN_STRENGTH) / (seen + RUN_STRENGTH) - row, 0.0)
-            for accepted, seen in bins
-        )
-        return worth - head, rate
-
     def look_may_pay(self, seq: SeqState, live: int) -> bool:
-        """Whether a look at ``seq``'s resting chain could pay for itself:
-        the most the chain could add a step (``chain_margin``), over every
-        token the sequence has left to write (a step makes one at least), against
-        the head's time over the rows the chain holds, which the look feeds
-        it (``CostModel.held_row_s``)."""
+        """``look_may_pay`` for ``seq``'s resting chain and the rows it holds."""
         margin, rate = self.chain_margin(live)
-        if margin <= 0:
-            return False
         held = self.for_seq(seq).held_rows()
-        return margin * tokens_left(seq) > rate * held * self.budget.costs.held_row_s()
+        return look_may_pay(margin, rate, tokens_left(seq), held, self.budget.costs.held_row_s())
 
     # -- the shared head ----------------------------------------------------------
 
@@ -214,23 +185,16 @@ class ChainRest:
                 value = budget.predicted_value(seq, live)
             valued.append((value, own))
         valued.sort(key=lambda item: item[0], reverse=True)
-        best, total, chosen = 0.0, 0.0, 0
-        for k, (value, _) in enumerate(valued, 1):
-            total += value
-            gain = total - rate * self.forwards * budget.costs.head.predict(k)
-            if gain > best:
-                best, chosen = gain, k
+        price = rate * self.forwards
+        chosen = chains_sharing([value for value, _ in valued], price, budget.costs.head)
         for _, own in valued[:chosen]:
             own.shared = True
         self._sharing = chosen
 
     def _joins(self, value: float, live: int) -> bool:
-        """Whether a chain of ``value`` that ``share_head`` did not price
-        pays what its feed adds to the head forward the chosen chains run
-        (a forward of its own when none was chosen)."""
-        rate, head, k = self.budget.chain_rate(live), self.budget.costs.head, self._sharing
-        added = head.predict(k + 1) - head.predict(k) if k else head.predict(1)
-        return value >= rate * self.forwards * added
+        """``joins`` beside the chains ``share_head`` chose last."""
+        price = self.budget.chain_rate(live) * self.forwards
+        return joins(value, price, self.budget.costs.head, self._sharing)
 
     def head_ran(self, forwards: int) -> None:
         """The drafter call after a verify ran ``forwards`` head forwards
@@ -322,3 +286,76 @@ class ChainRest:
         a head forward of its own (``wants_chain``: such looks go one a step)."""
         costs = self.budget.costs
         return own.held_rows() * costs.held_row_s() > costs.head.predict(1)
+
+
+def chain_margin(costs: CostModel, rates: Rates, live: int) -> tuple[float, float]:
+    """The most a chain could add a step, in tokens, and the rate that
+    prices it, on a plain step of ``live`` rows at that step's rate: its
+    first draft's worth less its verify row, where the plan would verify it,
+    less its share of a head forward that all ``live`` sequences share,
+    which it pays every step. The first draft's worth is read per confidence
+    bin, weighed by how often the run's first drafts fell in it, each bin's
+    acceptance taken as high as its counts allow (a bin seen little is
+    believed sure): a head whose top bin is right but rare is worth that
+    bin's share of steps. Before any first draft was scored, a draft sure to
+    be accepted; before any step was measured, ``(1.0, 0.0)``. The bound
+    takes no account of the copies or drafts the plan would otherwise verify
+    (a chain only ever replaces them), nor of how few chains the head
+    forward drafts for (``chains_sharing``)."""
+    step_s = costs.step_s(live)
+    if step_s <= 0:  # nothing measured yet
+        return 1.0, 0.0
+    rate = live / step_s
+    row = rate * marginal_row_s(costs.verify, live, live)
+    head = rate * costs.head.predict(live) / live
+    bins = [rates.counts(("mtp", 0, b)) for b in range(len(CONFIDENCE_EDGES) + 1)]
+    total = sum(seen for _, seen in bins)
+    if total <= 0:
+        return 1.0 - row - head, rate
+    worth = sum(
+        seen / total * max((accepted + RUN_STRENGTH) / (seen + RUN_STRENGTH) - row, 0.0)
+        for accepted, seen in bins
+    )
+    return worth - head, rate
+
+
+def look_may_pay(margin: float, rate: float, tokens: int, held: int, held_row_s: float) -> bool:
+    """Whether a look at a resting chain could pay for itself: the most the
+    chain could add a step (``margin``, in tokens, ``chain_margin``), over
+    the ``tokens`` the sequence has left to write (a step makes one at
+    least), against the head's time over the ``held`` rows the chain holds,
+    which the look feeds it, in tokens at ``rate`` (``held_row_s``:
+    ``CostModel.held_row_s``). Example: a margin of 0.8 token at 100
+    tokens/s and 0.5 ms a held row: 100 held rows cost 5 tokens, repaid
+    over 7 tokens left (5.6), not over 6 (4.8)."""
+    if margin <= 0:
+        return False
+    return margin * tokens > rate * held * held_row_s
+
+
+def chains_sharing(values: Sequence[float], price: float, head: RunningCosts) -> int:
+    """How many chains the head forward after a verify drafts for: of
+    ``values`` (what each chain adds a step, in tokens, highest first), the
+    ``k`` first whose sum lies furthest above the time of the head's
+    forwards feeding ``k``, ``price * head.predict(k)`` in tokens (``price``:
+    the rate times the head forwards a step whose chains ran takes); 0 when
+    no count pays. A forward costs little more for many sequences than for
+    one, so chains that could not pay a forward alone may pay one together:
+    at 0.1 token for a forward of one and 0.4 for sixteen, sixteen chains of
+    0.05 pay (0.8 against 0.4), one alone does not."""
+    best, total, chosen = 0.0, 0.0, 0
+    for k, value in enumerate(values, 1):
+        total += value
+        gain = total - price * head.predict(k)
+        if gain > best:
+            best, chosen = gain, k
+    return chosen
+
+
+def joins(value: float, price: float, head: RunningCosts, sharing: int) -> bool:
+    """Whether a chain of ``value`` that ``chains_sharing`` did not price
+    (its prompt completed after the choice) pays what its feed adds to the
+    forward of the ``sharing`` chains chosen, or a forward of its own when
+    none was, at ``price`` (as in ``chains_sharing``)."""
+    added = head.predict(sharing + 1) - head.predict(sharing) if sharing else head.predict(1)
+    return value >= price * added

@@ -1,0 +1,276 @@
+"""The cost-aware draft policy (``--draft-policy auto``, ``spec/auto.py``)
+driven through its ``DraftPolicy`` methods only, as a step calls them, on
+costs set up front and a fake clock: the step's time accounted, the copies
+priced by their agreement, and the head's schedule (rest, shared forward,
+looks, drain)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from metrale.engine.api import Request, SamplingParams
+from metrale.engine.config import MtpLadder
+from metrale.engine.sequence import SeqState
+from metrale.engine.spec.auto import AutoPolicy
+from metrale.engine.spec.copies import settle_copies
+from metrale.engine.spec.cost import CostModel
+from metrale.engine.spec.mtp import DraftFeed
+from metrale.engine.step import Queues, StepTimes
+from metrale.lookup import LookupStats, PromptLookupConfig
+from tests.support.fake_model import FakeClock
+
+HIDDEN = 4  # width of the hidden rows fed to the head (the policy only holds them)
+
+
+def policy_on(
+    costs: CostModel, lookup: PromptLookupConfig | None = None, without: tuple[str, ...] = ()
+) -> AutoPolicy:
+    return AutoPolicy(MtpLadder(), lookup, None, costs, without)
+
+
+def decoding(
+    slot: int, prompt: Sequence[int] = (1, 2, 3), max_tokens: int = 64, token: int = 9
+) -> SeqState:
+    """A sequence that has sampled its first token: the next verify feeds it."""
+    request = Request(str(slot), tuple(prompt), SamplingParams(max_tokens=max_tokens))
+    seq = SeqState(request, slot, 1024, frozenset(), None, None)
+    seq.history.append(token)
+    seq.seq_len = len(prompt)
+    return seq
+
+
+def draft(policy: AutoPolicy, seq: SeqState, chain: Sequence[int] = (5,)) -> None:
+    """The head drafted ``chain`` for ``seq`` (as the device step reports it)."""
+    policy.chain_drafted(seq, list(chain))
+    seq.set_drafts(list(chain), None)
+
+
+def head_step(policy: AutoPolicy, batch: list[SeqState], queues: Queues) -> dict[int, DraftFeed]:
+    """One step's drafts and head as the host step asks for them, nothing
+    verified or measured (the costs stay as set up): the plan, then a row
+    per sequence for the head. Returns the feeds by slot; each fed sequence
+    gets a chain of one draft."""
+    policy.take_drafts(batch, queues)
+    policy.before_head(batch, queues)
+    fed = {}
+    for seq in batch:
+        rows = torch.zeros(1, HIDDEN)
+        feed = policy.head_feed(seq, seq.seq_len, [seq.last_token], rows, len(batch))
+        if feed is not None:
+            fed[seq.slot] = feed[0]
+            draft(policy, seq)
+    return fed
+
+
+def test_the_heads_forwards_are_kept_out_of_the_rest_of_the_step() -> None:
+    # The rest of a step prices every row: counted there, the head's forwards
+    # would lower the rate rows and chains are priced at.
+    clock = FakeClock()
+    costs = CostModel(clock)
+    for rows, seconds in ((4, 0.020), (8, 0.025)):
+        costs.verify.observe(rows, seconds)
+    policy = policy_on(costs)
+    batch = [decoding(slot) for slot in range(4)]
+    policy.take_drafts(batch, Queues(decoding=batch))
+    # A 30 ms step: 20 ms its verify, 6 ms the head's forwards after it.
+    clock.now = 0.030
+    policy.end_step(StepTimes(began=0.0, verify_s=0.020, head_s=0.006))
+    assert costs.other_s == pytest.approx(0.004)
+    snapshot = policy.snapshot(final=True)
+    assert snapshot is not None and snapshot.measured_ms == pytest.approx(24.0)
+    # A step without a plan (nothing verified under the budget) counts nothing.
+    clock.now = 0.130
+    policy.end_step(StepTimes(began=0.030, verify_s=0.050))
+    assert costs.other_s == pytest.approx(0.004)
+    snapshot = policy.snapshot(final=True)
+    assert snapshot is not None and snapshot.steps == 1
+
+
+@pytest.mark.parametrize("priced_by_agreement", [True, False])
+def test_a_copy_is_priced_by_how_long_its_source_agreed(priced_by_agreement: bool) -> None:
+    # Two sequences offer copies of 4: one whose source agreed on 2 tokens
+    # before the copied stretch, always wrong; one that agreed on 16, always
+    # right. Each agreement's own estimate learns it, and the plan verifies
+    # only the copy that agreed long; priced by position alone, the two
+    # cannot be told apart.
+    lookup = PromptLookupConfig(ngram=2, min_match=3, max_drafts=8, miss_backoff=0)
+
+    def step_s(rows: int) -> float:
+        return 0.010 + 0.002 * (rows - 1)
+
+    costs = CostModel(FakeClock())
+    for rows in range(1, 6):
+        costs.verify.observe(rows, step_s(rows))
+    without = () if priced_by_agreement else ("agreement",)
+    policy = policy_on(costs, lookup, without=without)
+    # The last token 2 followed 1 at position 2, before which 50 and 60
+    # differ: an agreement of 2. The last 16 tokens occurred before, after
+    # 70: an agreement of 16. 6 tokens left: copies of 4.
+    short = decoding(0, (50, 1, 2, 3, 4, 5, 60, 1), max_tokens=6, token=2)
+    stretch = list(range(100, 116))
+    long = decoding(1, (70, *stretch, 1, 2, 3, 4, 5, *stretch[:-1]), max_tokens=6, token=115)
+    model_says = {0: [7, 7, 7, 7, 7], 1: [1, 2, 3, 4, 5]}  # what the model emits next
+
+    def offer(seq: SeqState) -> list[int]:
+        """The drafts the policy verifies for ``seq`` alone, and their verify."""
+        queues = Queues(decoding=[seq])
+        took = policy.take_drafts([seq], queues)
+        drafts, says = list(seq.pending_drafts), model_says[seq.slot]
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == says[accepted]:
+            accepted += 1
+        produced = says[: accepted + 1]  # the accepted drafts and the bonus token
+        rows = 1 + len(drafts)
+        policy.verified(
+            StepTimes(verify_s=step_s(rows), verify_rows=rows, produced={seq.slot: produced})
+        )
+        settle_copies(took, None, LookupStats())
+        return drafts
+
+    for _ in range(30):
+        offer(short)
+        offer(long)
+    if priced_by_agreement:
+        assert offer(short) == [] and offer(long) == [1, 2, 3, 4]
+    else:
+        assert len(offer(short)) == len(offer(long))
+
+
+def test_a_held_prompt_goes_to_the_head_only_where_its_chain_repays_it() -> None:
+    # Verifies of 1 and 2 rows at 10 and 11 ms, head forwards at 1 ms (one
+    # sequence) and 8 ms (16): at 100 tokens/s a first draft at the prior is
+    # worth 0.5 - 0.1 (its row), far above the head's 0.1, and a sure one
+    # adds 0.8 token a step at most; a held row costs 0.5 ms, 0.05 token.
+    costs = CostModel(FakeClock())
+    costs.verify.observe(1, 0.010)
+    costs.verify.observe(2, 0.011)
+    costs.head.observe(1, 0.001)
+    costs.head.observe(16, 0.008)
+    policy = policy_on(costs)
+
+    def last_chunk_fed(tokens_left: int, held: int) -> DraftFeed | None:
+        """Reads a prompt of ``held + 1`` tokens in two chunks."""
+        request = Request("a", tuple(range(held + 1)), SamplingParams(max_tokens=tokens_left))
+        seq = SeqState(request, 0, 1024, frozenset(), None, None)
+        queues = Queues(prefilling=[seq])
+        if held:
+            first = policy.prompt_feed(seq, 0, [5] * held, torch.zeros(held, HIDDEN), False, queues)
+            assert first is None  # a prompt's chunks wait for its chain to be worth them
+        feed = policy.prompt_feed(seq, held, [5], torch.zeros(1, HIDDEN), True, queues)
+        return None if feed is None else feed[0]
+
+    alone = last_chunk_fed(6, 0)  # nothing held: it drafts
+    assert alone is not None and (alone.start, len(alone.next_ids)) == (0, 1)
+    # 100 held rows cost 5 tokens: repaid over 7 tokens left, and handed to
+    # the head with the last chunk in one feed; not over 6.
+    whole = last_chunk_fed(7, 100)
+    assert whole is not None and (whole.start, len(whole.next_ids)) == (0, 101)
+    assert last_chunk_fed(6, 100) is None
+
+
+def test_in_a_drain_a_sequence_ahead_rests_whatever_its_chain_is_worth() -> None:
+    costs = CostModel(FakeClock())
+    for rows in (1, 2, 4):
+        costs.verify.observe(rows, 0.010 + 0.00001 * rows)  # rows nearly free
+    costs.head.observe(1, 0.0001)
+    for ends in (False, True):
+        policy = policy_on(costs)
+        short, long = decoding(0, max_tokens=8), decoding(1, max_tokens=40)
+        batch = [short, long]
+        fed = head_step(policy, batch, Queues(decoding=batch, stream_done=ends))
+        # Both chains are worth the head; once the stream has ended, the
+        # sequence that finishes first anyway verifies no draft and rests.
+        assert sorted(fed) == ([1] if ends else [0, 1])
+
+
+def test_resting_chains_look_in_the_same_head_forward() -> None:
+    # A row costs 0.6 token at one sequence, 0.75 at two: a first draft at
+    # the prior (0.5) is never worth it, but a sure one would be, so chains
+    # that ran once rest and look now and then.
+    costs = CostModel(FakeClock())
+    for rows, seconds in ((1, 0.010), (2, 0.016), (4, 0.028)):
+        costs.verify.observe(rows, seconds)
+    costs.head.observe(1, 0.0005)
+    costs.observe_held(100, 1, 1, 0.0005 + 100e-6)  # a held row: 1 us
+    policy = policy_on(costs)
+    first, second = decoding(0), decoding(1)
+    draft(policy, first)  # its chain runs in the first step's plan
+    looks: dict[int, list[int]] = {0: [], 1: []}
+    fed_rows: dict[int, list[int]] = {0: [], 1: []}
+    for step in range(1, 41):
+        if step == 6:  # the second sequence joins five steps later
+            draft(policy, second)
+        batch = [first] if step < 6 else [first, second]
+        for slot, feed in head_step(policy, batch, Queues(decoding=batch)).items():
+            looks[slot].append(step)
+            fed_rows[slot].append(len(feed.next_ids))
+    # Five steps apart, they look on one step (one head forward) from the
+    # second's first look on, and each looks half as often after each look.
+    assert looks[0] == [8, 16, 32]
+    assert looks[1] == [16, 32]
+    # A look hands the head every row the chain held since it rested.
+    assert fed_rows[0] == [8, 8, 16] and fed_rows[1] == [11, 16]
+
+
+def test_looks_that_feed_the_head_more_than_a_forward_go_one_a_step() -> None:
+    costs = CostModel(FakeClock())
+    costs.head.observe(1, 0.001)
+    costs.head.observe(4, 0.002)
+    # At 4 sequences a row costs 0.75 token: a first draft at the prior is
+    # never worth it, a sure one would be (0.05 token over the head's share).
+    costs.verify.observe(4, 0.010)
+    costs.verify.observe(8, 0.0175)
+    costs.observe_held(100, 1, 1, 0.006)  # a held row: 0.05 ms, 20 of them a forward
+    policy = policy_on(costs)
+    batch = [decoding(slot, max_tokens=500) for slot in range(4)]
+    queues = Queues(decoding=batch)
+    # Two sequences hold a prompt of 100 rows (5 ms to feed), two of 10
+    # (0.5 ms); each chain runs in the first step's plan.
+    for seq, held in zip(batch, (100, 100, 10, 10), strict=True):
+        rows = torch.zeros(held, HIDDEN)
+        assert policy.prompt_feed(seq, 0, [5] * held, rows, False, queues) is None
+        draft(policy, seq)
+    looks: dict[int, list[int]] = {seq.slot: [] for seq in batch}
+    for step in range(1, 25):
+        for slot in head_step(policy, batch, queues):
+            looks[slot].append(step)
+    # The light sequences look together on steps 8 and 16. Of the heavy
+    # ones, one looks on step 8 and the other waits for the next look step,
+    # 16 (by then the first holds 8 rows, and looks with the light ones).
+    assert looks[2] == looks[3] == [8, 16]
+    assert looks[0] == [8, 16] and looks[1] == [16]
+
+
+def test_the_shared_head_prices_chains_by_the_forwards_a_step_lately_ran() -> None:
+    # 16 sequences at 100 tokens/s whose rows cost 0.45 token: a first draft
+    # at the prior adds 0.05 a step. A head forward of 1 ms for one (0.1
+    # token), 4 ms for sixteen: alone no chain pays; all sixteen together
+    # pay 0.4 of their 0.8.
+    costs = CostModel(FakeClock())
+    costs.verify.observe(16, 0.160)
+    costs.verify.observe(32, 0.232)
+    costs.head.observe(1, 0.001)
+    costs.head.observe(16, 0.004)
+    policy = policy_on(costs)
+    batch = [decoding(slot) for slot in range(16)]
+    queues = Queues(decoding=batch)
+
+    def fed() -> list[int]:
+        policy.before_head(batch, queues)
+        feeds = [
+            policy.head_feed(seq, seq.seq_len, [seq.last_token], torch.zeros(1, HIDDEN), 16)
+            for seq in batch
+        ]
+        return [seq.slot for seq, feed in zip(batch, feeds, strict=True) if feed is not None]
+
+    assert fed() == list(range(16))
+    # Steps whose head calls ran three forwards each (chains two drafts
+    # deeper): the sixteen no longer pay 1.2, and only the run's one scout
+    # looks.
+    feeds = [DraftFeed(seq, seq.seq_len, [seq.last_token], 1) for seq in batch]
+    for _ in range(40):
+        policy.head_ran(feeds, 3, 3 * 0.004)
+    assert fed() == [0]
