@@ -9,7 +9,9 @@ the others still run. Its keys:
 
 - ``device``: where it ran (the GPU's name, torch and transformers versions);
 - ``parity``: true when, on tiny random Llama (with a DeepSeek-style MTP
-  layer), Qwen2 and MiMo checkpoints in float32, metrale's greedy output
+  layer), Qwen2, MiMo and Qwen3.5-MoE (gated DeltaNet layers, whose state
+  the device step rolls back on the GPU, and its ``mtp.*`` layer)
+  checkpoints in float32, metrale's greedy output
   equals transformers' ``generate`` on the same device token for token, with
   no drafts, MTP drafts, copies, and both under the draft budget (so MTP on
   equals MTP off);
@@ -54,13 +56,16 @@ from metrale.engine.load.loader import load_model
 from metrale.lookup import PromptLookupConfig
 from tests.support.checkpoints import EOS_ID, load_reference_model, write_tiny_checkpoint
 from tests.support.gpu_step_ms import BENCHES, BenchShape, bench_step_ms, targets
+from tests.support.hybrid_checkpoints import load_reference, write_hybrid_checkpoint
 
 # family -> (checkpoint family, MTP layout)
 FAMILIES: dict[str, tuple[str, str | None]] = {
     "llama": ("llama", "deepseek"),
     "qwen2": ("qwen2", None),
     "mimo": ("qwen2", "mimo"),
+    "qwen3_5_moe": ("qwen3_5_moe", "qwen3_next"),  # tests/support/hybrid_checkpoints.py
 }
+HYBRIDS = ("qwen3_5_moe",)
 PROMPTS = ("def f(x):\n    return x", "abcabcabcabc", "hello", 'JSON {"a": 1, "b": 2}')
 LOOKUP = PromptLookupConfig(ngram=2, min_match=3, max_drafts=8)
 # mode -> the engine's settings, one draft source at a time, then the
@@ -170,11 +175,15 @@ def family_parity(
 ) -> tuple[dict[str, Any], list[list[Any]]]:
     """One family's parity record, and the graph shapes its engines captured."""
     base, layout = FAMILIES[family]
-    path = write_tiny_checkpoint(folder / family, base, mtp_layout=layout)
+    if family in HYBRIDS:
+        path = write_hybrid_checkpoint(folder / family, base)
+        reference = load_reference(path).to(device)
+    else:
+        path = write_tiny_checkpoint(folder / family, base, mtp_layout=layout)
+        reference = load_reference_model(path).to(device)
     runtime = RuntimeConfig(device=str(device), dtype="float32", num_slots=4, max_len=128)
     loaded = load_model(path, runtime)
     prompts = [list(loaded.tokenizer.encode(p)) for p in PROMPTS]
-    reference = load_reference_model(path).to(device)
     expected = [hf_greedy(reference, p, max_tokens) for p in prompts]
     record: dict[str, Any] = {"mtp_layout": layout, "mtp_modules": len(loaded.mtp), "modes": {}}
     shapes: set[tuple[Any, ...]] = set()
