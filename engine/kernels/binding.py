@@ -1,6 +1,7 @@
 """Builds and binds metrale's C kernels: ``kernels/packed_linear.c`` (linear
-layers over packed weights; its tiles in ``packed_tiles.c``, its register
-paths in ``packed_rows.c``), ``kernels/attention.c`` (decode and verify
+layers over packed weights in the formats ``FORMATS`` names, whose
+arithmetic ``packed_columns.h`` states; its tiles in ``packed_tiles.c``, its
+register paths in ``packed_rows.c`` and ``packed_rows512.c``), ``kernels/attention.c`` (decode and verify
 attention over the KV cache) and ``kernels/layer_ops.c`` (the norms, rotary
 embedding, cache write and SwiGLU between them); see their headers for the
 maths.
@@ -37,15 +38,18 @@ SOURCES = tuple(
         "packed_linear.c",
         "packed_tiles.c",
         "packed_rows.c",
+        "packed_rows512.c",
         "attention.c",
         "layer_ops.c",
         "decoder_layers.c",
     )
 )
 # Included by the sources: hashed with them.
-HEADERS = tuple(KERNELS / name for name in ("packed.h", "vector_math.h"))
+HEADERS = tuple(KERNELS / name for name in ("packed.h", "packed_columns.h", "vector_math.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
-FORMATS = {"q4_1": 0, "q8_0": 1, "bf16": 2}
+# The packed formats, as packed.h numbers them (runtime/packed.py's LAYOUT
+# gives their bytes; load/gguf_blocks.py which GGUF type becomes which).
+FORMATS = {"q4_1": 0, "q8_0": 1, "bf16": 2, "q4_0": 3, "q5_0": 4, "q5_1": 5, "q6_k": 6}
 LAYER_FIELDS = 16  # int64 fields of a layer in decoder_layers.c's table
 
 _pointer, _int64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

@@ -2,18 +2,19 @@
  * Linear layers over packed weights, computed in float32.
  *
  * Contract: out[m][n] = sum_k x[m][k] * w[n][k] for x [M, K] float32 and a
- * weight [N, K] kept packed (GGUF Q4_1 or Q8_0 blocks of 32 along K, or
- * bfloat16) in the layout below. A weight value is decoded with
- * exactly the arithmetic gguf's reference dequantizer uses (Q4_1: d * q,
- * rounded, then + m, rounded; Q8_0: d * q; bfloat16: a shift), so the
- * float32 weight this file computes with is bit-for-bit the one `metrale`
- * writes to model.safetensors: the model is the same, only fewer bytes cross
- * the memory bus.
+ * weight [N, K] kept packed (GGUF blocks of 32 along K: Q4_0, Q4_1, Q5_0,
+ * Q5_1, Q8_0, and the K-quants as those or as Q6_K's own; or bfloat16) in
+ * the layout below. A weight value is decoded with exactly the arithmetic
+ * gguf's reference dequantizer uses (packed_columns.h states each format's),
+ * so the float32 weight this file computes with is bit-for-bit the one
+ * `metrale` writes to model.safetensors: the model is the same, only fewer
+ * bytes cross the memory bus.
  *
  * Layout (metrale/engine/runtime/packed.py writes it): the weight's rows are
  * taken 64 at a time (a group; the last one padded with zero rows), a group's
  * 8 strips of 8 rows each; within a strip, each block of 32 columns is stored
- * column-major, so that one 8-wide load decodes column k of eight rows:
+ * byte plane by byte plane (packed_columns.h), so that one 8-wide load
+ * decodes column k of eight rows: e.g.
  *   Q4_1: 16 x 8 bytes, byte [j][n] = q[n][j] | q[n][j + 16] << 4, and the
  *         scales d[8] then m[8];
  *   Q8_0: 32 x 8 signed bytes, and d[8];
@@ -61,9 +62,13 @@
  *
  * Files: this one holds the entry points (metrale_packed_linear, which
  * splits the strips among threads and picks a path by the row count, and
- * metrale_decode) and the decoders of a block into a buffer; packed_tiles.c
- * the tiles over a decoded chunk; packed_rows.c the register paths (one
- * row, and two to REGISTER_ROWS); packed.h the layout's sizes they share.
+ * metrale_decode) and the decoders of a block into a buffer; packed_columns.h
+ * the formats' arithmetic, column by column; packed_tiles.c the tiles over a
+ * decoded chunk; packed_rows.c the register paths (one row, and two to
+ * REGISTER_ROWS), packed_rows512.c their 16-wide forms for Q4_1, Q8_0 and
+ * one-row bfloat16 (the other formats take the 8-wide register paths in
+ * every build, and the 16-wide tiles); packed.h the layout's sizes they
+ * share.
  *
  * Built on first use by metrale/engine/kernels/binding.py with the system C
  * compiler (-O3 -march=native -fopenmp -ffp-contract=off: no fused
@@ -76,7 +81,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "packed.h"
+#include "packed_columns.h"
 
 /* Decodes one block of `count` consecutive strips: out[k * ld + 8 s + n] =
  * w[8 s + n][k] for k < 32, n < 8, s < count. `data` and `scales` point at
@@ -84,76 +89,46 @@
  * per block and group, not per strip: the calls cost more than the loop. */
 typedef void (*decode_block_fn)(const uint8_t *data, const float *scales, int count, float *out, int64_t ld);
 
-static void decode_q4_1(const uint8_t *data, const float *scales, int count, float *out, int64_t ld) {
-    for (int strip = 0; strip < count; strip++, data += LANES * BLOCK / 2, scales += 2 * LANES, out += LANES) {
+/* A decoder of one format: packed_columns.h's arithmetic, column by column. */
+static inline __attribute__((always_inline)) void decode_strips(
+    const int format, const uint8_t *data, const float *scales, int count, float *out, int64_t ld) {
+    const int64_t bytes = strip_block_bytes(format), block_scales = strip_block_scales(format);
+    for (int strip = 0; strip < count; strip++, data += bytes, scales += block_scales, out += LANES) {
 #ifdef METRALE_AVX2
-    const __m256 d = _mm256_loadu_ps(scales), m = _mm256_loadu_ps(scales + LANES);
-    const __m128i low_nibble = _mm_set1_epi8(0x0F);
-    for (int j = 0; j < BLOCK / 2; j++) {
-        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(data + LANES * j));
-        const __m128i lo = _mm_and_si128(bytes, low_nibble);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
-        const __m256 qlo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        const __m256 qhi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        _mm256_storeu_ps(out + j * ld, _mm256_add_ps(_mm256_mul_ps(qlo, d), m));
-        _mm256_storeu_ps(out + (j + BLOCK / 2) * ld, _mm256_add_ps(_mm256_mul_ps(qhi, d), m));
-    }
+        EACH_COLUMN(_mm256_storeu_ps(out + (16 * high + LANES * jb + s) * ld,
+                                     column8(format, data, scales, high, jb, s));)
 #else
-    for (int j = 0; j < BLOCK / 2; j++)
-        for (int n = 0; n < LANES; n++) {
-            const uint8_t byte = data[LANES * j + n];
-            out[j * ld + n] = (float)(byte & 0x0F) * scales[n] + scales[LANES + n];
-            out[(j + BLOCK / 2) * ld + n] = (float)(byte >> 4) * scales[n] + scales[LANES + n];
-        }
+        for (int k = 0; k < BLOCK; k++)
+            for (int n = 0; n < LANES; n++) out[k * ld + n] = value1(format, data, scales, n, k);
 #endif
     }
 }
 
-static void decode_q8_0(const uint8_t *data, const float *scales, int count, float *out, int64_t ld) {
-    for (int strip = 0; strip < count; strip++, data += LANES * BLOCK, scales += LANES, out += LANES) {
-    const int8_t *q = (const int8_t *)data;
-#ifdef METRALE_AVX2
-    const __m256 d = _mm256_loadu_ps(scales);
-    for (int k = 0; k < BLOCK; k++) {
-        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + LANES * k));
-        _mm256_storeu_ps(out + k * ld, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d));
+#define DECODER(name, format)                                                                         \
+    static void name(const uint8_t *data, const float *scales, int count, float *out, int64_t ld) { \
+        decode_strips(format, data, scales, count, out, ld);                                         \
     }
-#else
-    for (int k = 0; k < BLOCK; k++)
-        for (int n = 0; n < LANES; n++) out[k * ld + n] = (float)q[LANES * k + n] * scales[n];
-#endif
-    }
-}
-
-static void decode_bf16(const uint8_t *data, const float *scales, int count, float *out, int64_t ld) {
-    (void)scales; /* bfloat16 has none: callers pass a valid dummy pointer */
-    for (int strip = 0; strip < count; strip++, data += 2 * LANES * BLOCK, out += LANES) {
-#ifdef METRALE_AVX2
-    for (int k = 0; k < BLOCK; k++) {
-        const __m128i halves = _mm_loadu_si128((const __m128i *)(data + 2 * LANES * k));
-        const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16);
-        _mm256_storeu_ps(out + k * ld, _mm256_castsi256_ps(bits));
-    }
-#else
-    const uint16_t *h = (const uint16_t *)data;
-    for (int k = 0; k < BLOCK; k++)
-        for (int n = 0; n < LANES; n++) {
-            const uint32_t bits = (uint32_t)h[LANES * k + n] << 16;
-            memcpy(out + k * ld + n, &bits, sizeof bits);
-        }
-#endif
-    }
-}
+DECODER(decode_q4_1, FORMAT_Q4_1)
+DECODER(decode_q8_0, FORMAT_Q8_0)
+DECODER(decode_bf16, FORMAT_BF16)
+DECODER(decode_q4_0, FORMAT_Q4_0)
+DECODER(decode_q5_0, FORMAT_Q5_0)
+DECODER(decode_q5_1, FORMAT_Q5_1)
+DECODER(decode_q6_k, FORMAT_Q6_K)
+#undef DECODER
 
 /* The decoder of `format` and the size of one strip block: its bytes and
  * its scales. NULL for an unknown format. */
 static decode_block_fn decoder(int format, int64_t *block_bytes, int64_t *block_scales) {
-    switch (format) {
-    case FORMAT_Q4_1: *block_bytes = LANES * BLOCK / 2; *block_scales = 2 * LANES; return decode_q4_1;
-    case FORMAT_Q8_0: *block_bytes = LANES * BLOCK; *block_scales = LANES; return decode_q8_0;
-    case FORMAT_BF16: *block_bytes = 2 * LANES * BLOCK; *block_scales = 0; return decode_bf16;
-    default: return NULL;
-    }
+    static const decode_block_fn decoders[FORMATS] = {
+        [FORMAT_Q4_1] = decode_q4_1, [FORMAT_Q8_0] = decode_q8_0, [FORMAT_BF16] = decode_bf16,
+        [FORMAT_Q4_0] = decode_q4_0, [FORMAT_Q5_0] = decode_q5_0, [FORMAT_Q5_1] = decode_q5_1,
+        [FORMAT_Q6_K] = decode_q6_k,
+    };
+    if (format < 0 || format >= FORMATS) return NULL;
+    *block_bytes = strip_block_bytes(format);
+    *block_scales = strip_block_scales(format);
+    return decoders[format];
 }
 
 /* Floats in one of the register paths' vectors: 16 with AVX-512, 8 with AVX2,

@@ -5,7 +5,7 @@ dtype. A dense embedding indexes its table. A packed one (the embedded
 model's Q8_0 embedding, which is also its tied LM head) keeps the weight's
 tiles and decodes only the rows asked for, gathered from them, with the kernel's own
 arithmetic (Q8_0: ``q * d``; Q4_1: ``q * d + m``, two roundings; bfloat16:
-widened), so each row is bit for bit the dense table's and no float32 copy of
+widened; the other GGUF block types by the kernel's decode), so each row is bit for bit the dense table's and no float32 copy of
 the whole table is held, nor a second layout of it: a tied LM head's packed
 weight is the embedding too.
 """
@@ -19,6 +19,8 @@ from metrale.engine.runtime.packed import ROW_CHUNK, PackedWeight, tiled_rows
 
 # Rows ``packed_rows`` gathers at a time (``PackedWeight.rows``).
 _CHUNK_ROWS = ROW_CHUNK
+# Formats ``decode_rows`` decodes in torch; the others go through the kernel.
+_DECODED_HERE = ("q8_0", "q4_1", "bf16")
 
 
 class Embedding:
@@ -43,6 +45,9 @@ class Embedding:
             return F.embedding(ids, self.table)  # [n, hidden]
         assert self.packed is not None
         fmt, (data, scales) = self.packed.fmt, tiled_rows(self.packed, ids.cpu())
+        if fmt not in _DECODED_HERE:  # the GGUF block types: the kernel's own decode
+            rows = PackedWeight.from_rows(fmt, data, scales, self.packed.kernel)
+            return rows.dense().to(ids.device)
         return decode_rows(fmt, data, scales).to(ids.device)
 
     def packed_rows(self, index: torch.Tensor) -> PackedWeight:

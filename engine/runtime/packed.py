@@ -38,13 +38,18 @@ from metrale.engine.runtime.weights import WeightStore
 
 PACKED_FILE = "packed.safetensors"
 
-# Per format: the element a block value is stored in, values of one row's
-# block in that element (Q4_1 packs two per byte), and scales a block has.
+# Per format: the element a block is stored in, the elements one row's
+# block of 32 values takes, and the scales it has (kernels/packed_columns.h
+# states each format's bytes and arithmetic).
 BLOCK = 32
 LAYOUT = {
     "q4_1": (torch.uint8, BLOCK // 2, 2),
     "q8_0": (torch.uint8, BLOCK, 1),
     "bf16": (torch.int16, BLOCK, 0),
+    "q4_0": (torch.uint8, BLOCK // 2, 1),
+    "q5_0": (torch.uint8, BLOCK // 2 + BLOCK // 8, 1),
+    "q5_1": (torch.uint8, BLOCK // 2 + BLOCK // 8, 2),
+    "q6_k": (torch.uint8, BLOCK // 2 + BLOCK // 4, 2),
 }
 STRIP = 8  # rows of a strip: the kernel decodes one column of 8 rows per load
 GROUP = 8  # strips of a group: 64 rows, stored block by block

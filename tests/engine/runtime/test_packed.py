@@ -21,9 +21,13 @@ from metrale.engine.load.loader import load_model
 from metrale.engine.runtime.packed import PACKED_FILE, PackedStore, PackedWeight, save_packed
 from metrale.lookup import PromptLookupConfig
 from tests.support.checkpoints import write_tiny_checkpoint
+from tests.support.gguf_quants import kernel_weight
 from tests.support.packing import gguf_blocks, pack_checkpoint, quantize
 
-FORMATS = ("q4_1", "q8_0", "bf16")
+# The kernel's formats, and for those only GGUF writes, the GGUF type that
+# makes them (Q6_K's 16-value scales are format q6_k).
+GGUF_MADE = {"q4_0": "Q4_0", "q5_0": "Q5_0", "q5_1": "Q5_1", "q6_k": "Q6_K"}
+FORMATS = ("q4_1", "q8_0", "bf16", *GGUF_MADE)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +38,11 @@ def kernel() -> PackedKernel:
 
 
 def packed(kernel: PackedKernel, w: torch.Tensor, fmt: str) -> tuple[PackedWeight, torch.Tensor]:
-    data, scales, dense = quantize(w, fmt)
+    if fmt in GGUF_MADE:
+        made, data, scales, dense = kernel_weight(w, GGUF_MADE[fmt])
+        assert made == fmt
+    else:
+        data, scales, dense = quantize(w, fmt)
     return PackedWeight.from_rows(fmt, data, scales, kernel), dense
 
 
