@@ -64,6 +64,7 @@ class LinearBatch:
     # [S] bool in a static forward: the slots really fed (the others point into
     # the cache's headroom and keep their state, ``linear_state.py``).
     live: torch.Tensor | None = None
+    host_slots: tuple[int, ...] = ()  # ``slots`` as the host knows them
 
 
 def static_linear_batch(starts: torch.Tensor, width: int, max_len: int) -> LinearBatch:
@@ -79,6 +80,7 @@ def static_linear_batch(starts: torch.Tensor, width: int, max_len: int) -> Linea
         max_rows=width,
         pad_index=None,
         live=starts < max_len,
+        host_slots=tuple(range(batch)),
     )
 
 

@@ -30,10 +30,12 @@ recurrence step per accepted token and layer, small next to the projections
 that produced the factors. ``bytes_per_slot`` counts both the state and a full
 verify's pending rows, so the KV sizing budgets them.
 
-Static forwards (``settle(..., live=...)``) keep shapes fixed: every slot of
-the bucket replays up to ``verify_rows`` rows under a mask, and a slot that is
-not ``live`` (free or still prefilling, pointed into the cache's headroom)
-keeps its state, window and pending rows untouched.
+Off the CPU nothing is read back: every slot of a forward replays, under a
+mask, as many rows as any of them may have pending, a bound the store keeps
+on the host from the widths it was fed (``rows_bound``). Static forwards
+(``settle(..., live=...)``) keep shapes fixed: a slot that is not ``live``
+(free or still prefilling, pointed into the cache's headroom) keeps its
+state, window and pending rows untouched.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ class LinearStates:
         self.rows_beta = zeros(layers, num_slots, rows, heads)
         self.base = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.pending = torch.zeros(num_slots, dtype=torch.long, device=device)
+        # Per slot, on the host: at least its pending rows (module doc).
+        self.rows_bound = [0] * num_slots
+        # Whether settle may read the device (the CPU); False runs the GPU's
+        # masked replay, which tests do on the CPU too.
+        self.reads_back = device.type == "cpu"
 
     @staticmethod
     def bytes_per_slot(
@@ -105,6 +112,7 @@ class LinearStates:
         slots: torch.Tensor,  # [N] int64, distinct
         starts: torch.Tensor,  # [N] int64: where each slot's rows begin this forward
         live: torch.Tensor | None = None,  # [N] bool; None: every slot (see module doc)
+        host_slots: list[int] | None = None,  # ``slots`` on the host, when known
     ) -> None:
         """Commits each slot's accepted prefix of its pending rows (module doc)."""
         base, pending = self.base[slots], self.pending[slots]
@@ -113,7 +121,7 @@ class LinearStates:
         if live is not None:
             accepted = torch.where(live, accepted, 0)
             fresh = fresh & live
-        if slots.device.type == "cpu":
+        if self.reads_back:
             bad = ~fresh & ((accepted < 0) | (accepted > pending))
             if live is not None:
                 bad &= live
@@ -124,8 +132,9 @@ class LinearStates:
                     f"state is kept only for positions {int(base[i])}..{int(base[i] + pending[i])}"
                 )
             replay = int(accepted.max()) if accepted.numel() else 0
-        else:
-            replay = self.verify_rows  # no host read: replay every row under the mask
+        else:  # no host read: replay, under the mask, what any slot may hold
+            held = host_slots if host_slots is not None else range(len(self.rows_bound))
+            replay = max((self.rows_bound[s] for s in held), default=0)
         state, conv = self.state[:, slots], self.conv[:, slots]
         if replay > 0:
             repeat = self.spec.num_v_heads // self.spec.num_k_heads
@@ -171,3 +180,12 @@ class LinearStates:
             pending = torch.where(live, pending, self.pending[slots])
         self.base[slots] = base
         self.pending[slots] = pending
+
+    def bound_rows(self, host_slots: list[int], widths: list[int], exact: bool) -> None:
+        """The host's bound on each fed slot's pending rows after a forward:
+        ``exact`` when every slot in ``host_slots`` was fed its width, else
+        (a static forward, whose live slots the host does not know) no lower
+        than it was."""
+        for slot, width in zip(host_slots, widths, strict=True):
+            rows = width if width <= self.verify_rows else 0
+            self.rows_bound[slot] = rows if exact else max(self.rows_bound[slot], rows)

@@ -135,7 +135,7 @@ class DecoderStack:
         states = self.linear_states
         if states is not None:
             assert linear is not None, "a stack with linear blocks needs the segments"
-            states.settle(linear.slots, linear.starts, linear.live)
+            states.settle(linear.slots, linear.starts, linear.live, list(linear.host_slots))
         # The C kernel rotates whole heads from the tables by position; torch
         # rotates from gathered rows, and is the one to rotate part of a head.
         kernel_rotates = self.kernel is not None and self.spec.rotary_dim is None
@@ -153,6 +153,8 @@ class DecoderStack:
         if states is not None:
             assert linear is not None
             states.mark_rows(linear.slots, linear.starts, linear.lengths, linear.live)
+            widths = [n for _, n in linear.rows]
+            states.bound_rows(list(linear.host_slots), widths, exact=linear.live is None)
         return x
 
     def _mlp(self, h: torch.Tensor, w: BlockWeights) -> torch.Tensor:
@@ -416,6 +418,7 @@ class LlamaModel:
             rows=list(zip(firsts, lengths, strict=True)),
             max_rows=plan.max_rows,
             pad_index=plan.pad_index,
+            host_slots=tuple(s.slot for s in segments),
         )
 
     def _mtp_hidden(self, residual: torch.Tensor) -> torch.Tensor:

@@ -222,3 +222,26 @@ def test_a_line_with_an_image_is_refused_as_text_only() -> None:
     parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {}}]
     with pytest.raises(ValueError, match="has image_url parts: metrale runs models on text only"):
         content_text(parts)
+
+
+def test_the_gpus_masked_replay_commits_what_the_cpus_exact_one_does(checkpoint: Path) -> None:
+    """Off the CPU nothing is read back: every slot replays, under a mask, the
+    most rows any may hold. Run so on the CPU, a ragged batch of partial
+    acceptances and a static forward leave the same states and logits."""
+    ids = random_ids(3, 60, seed=7)
+    runs = []
+    for reads_back in (True, False):
+        model = build_runtime(checkpoint, num_slots=3, max_len=64, headroom=8)
+        _states(model).reads_back = reads_back
+        model.forward([Segment(s, 0, ids[s, : 20 + s].tolist()) for s in range(3)])
+        model.forward([Segment(s, 20 + s, ids[s, 20 + s : 25 + s].tolist()) for s in range(3)])
+        # Accepted 0, 2 and 4 of 4 drafts; slot 2 then runs a static forward.
+        out = model.forward(
+            [Segment(0, 21, ids[0, 21:23].tolist()), Segment(1, 24, ids[1, 24:27].tolist())]
+        )
+        tokens = torch.tensor([[0] * 4, [0] * 4, ids[2, 27:31].tolist()])
+        logits, _ = model.forward_static(tokens, torch.tensor([64, 64, 27]), ctx=72)
+        states = _states(model)
+        runs.append((out.logits, logits.view(3, 4, -1)[2], states.state.clone(), states.conv))
+    for ours, theirs in zip(*runs, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
