@@ -3,9 +3,11 @@
 Contract: loads the model (the embedded default when ``MODEL`` is omitted)
 with the given runtime flags, which mean what they mean to `generate`, and
 prints where it came from (folder, GGUF file, or hub id@revision and its
-commit), its architecture, parameter count, dtype, device (a GPU's name and
-memory), context length, MTP layers found, KV bytes per token, the KV cache
-`generate` would get with the same flags (slots x positions, GiB, and why)
+commit), its architecture, parameter count, dtype, the weights as held
+(dense, or the packed formats), a GGUF file's tensor types and how many
+tensors of each, the weight bytes a decoded token streams, device (a GPU's
+name and memory), context length, MTP layers found, KV bytes per token, the
+KV cache `generate` would get with the same flags (slots x positions, GiB, and why)
 and the step's graph shapes. A model that cannot be loaded exits with 2 and
 the loader's message; a bad ``--device``, ``--dtype``, ``--weights`` or
 ``--kv-cache-gb`` is a usage error on that flag.
@@ -85,6 +87,11 @@ def describe_device(device: str) -> str:
     gpu = torch.device(device)
     total = torch.cuda.get_device_properties(gpu).total_memory
     return f"{device} ({torch.cuda.get_device_name(gpu)}, {total / 2**30:.1f} GiB)"
+
+
+def describe_streamed(streamed: int) -> str:
+    """The weight bytes a decoded token reads, in MiB and bytes."""
+    return f"{streamed / 2**20:,.1f} MiB of weights ({streamed:,} bytes) a decoded token reads"
 
 
 def describe_kv_cache(facts: ModelInfo) -> str:
@@ -167,6 +174,8 @@ def info(
         ("parameters", f"{facts.parameters:,} ({facts.parameters / 1e6:.1f} M)"),
         ("dtype", facts.dtype),
         ("weights", facts.weights),
+        *([("GGUF tensors", facts.gguf_blocks)] if facts.gguf_blocks else []),
+        ("streamed per token", describe_streamed(facts.streamed_bytes)),
         ("device", describe_device(facts.device)),
         ("context length", f"{facts.context_len:,}"),
         ("attention", facts.attention),

@@ -28,7 +28,7 @@ from metrale.engine.load.gguf_convert import convert_gguf
 from metrale.engine.load.home import metrale_home
 
 # Bumped when the folder a conversion writes changes, so older ones are redone.
-CONVERTER = 1
+CONVERTER = 2
 
 
 def gguf_cache_root() -> Path:

@@ -7,8 +7,18 @@ embeddings where the file has no ``output.weight``), and
 ``generation_config(fields)`` its ``generation_config.json`` (EOS with the
 end-of-turn token). A value the runtime cannot honour exactly (a head size
 that differs between keys and values, partial rotary, unknown RoPE scaling,
-experts) raises ``GgufError`` naming the key; ``architecture(fields)``
-checks the architecture and experts alone, before any tensor is read.
+experts outside the MoE architectures) raises ``GgufError`` naming the key;
+``architecture(fields)`` checks the architecture and experts alone, before
+any tensor is read.
+
+The MoE architectures ``qwen2moe`` and ``qwen3moe`` take their experts from
+``{arch}.expert_count``, ``expert_used_count``, ``expert_feed_forward_length``
+and (Qwen2-MoE's shared expert) ``expert_shared_feed_forward_length``.
+GGUF has no key for whether the top-k routing weights are renormalised;
+llama.cpp renormalises them for qwen3moe and not for qwen2moe, as the
+released configs do, and so does the config written here
+(``{arch}.expert_weights_norm``, where a file has it, wins). A layer whose
+tensors hold a dense MLP instead of experts is listed in ``mlp_only_layers``.
 """
 
 from __future__ import annotations
@@ -26,8 +36,12 @@ ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
-SUPPORTED_ARCHS = "llama (Llama, SmolLM, Mistral), qwen2, qwen3"
+SUPPORTED_ARCHS = "llama (Llama, SmolLM, Mistral), qwen2, qwen3, qwen2moe, qwen3moe"
+# MoE architectures -> whether llama.cpp renormalises their top-k weights.
+MOE_ARCHS = {"qwen2moe": False, "qwen3moe": True}
 
 
 class GgufError(CheckpointError):
@@ -36,7 +50,8 @@ class GgufError(CheckpointError):
 
 def architecture(fields: Any, gguf_path: Path) -> str:
     """``general.architecture``, refused unless the runtime runs it, or when
-    it holds experts (``{arch}.expert_count``: Mixtral is a llama GGUF)."""
+    a dense architecture holds experts (``{arch}.expert_count``: Mixtral is
+    a llama GGUF)."""
     arch = str(_value(fields, "general.architecture", gguf_path))
     if arch not in ARCHITECTURES:
         raise GgufError(
@@ -44,7 +59,7 @@ def architecture(fields: Any, gguf_path: Path) -> str:
             f"supported: {SUPPORTED_ARCHS}"
         )
     experts = fields.get(f"{arch}.expert_count")
-    if experts is not None and experts.contents():
+    if arch not in MOE_ARCHS and experts is not None and experts.contents():
         raise GgufError(
             f"{gguf_path.name}: {arch}.expert_count is {experts.contents()} (a mixture of "
             "experts, such as Mixtral); metrale converts dense GGUF models only"
@@ -70,6 +85,7 @@ def model_config(
         field = fields.get(f"{arch}.{key}")
         return None if field is None else field.contents()
 
+    moe = _moe_fields(fields, arch, tensor_names, gguf_path) if arch in MOE_ARCHS else {}
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
     head_dim = _head_dim(opt, hidden // heads, gguf_path)
@@ -79,7 +95,11 @@ def model_config(
     values: dict[str, Any] = dict(
         vocab_size=int(opt("vocab_size") or _vocab_size(fields, gguf_path)),
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
+        intermediate_size=int(
+            opt("feed_forward_length")
+            or moe.get("moe_intermediate_size")
+            or need("feed_forward_length")
+        ),
         num_hidden_layers=int(need("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(kv_heads if kv_heads is not None else heads),
@@ -90,15 +110,45 @@ def model_config(
         bos_token_id=bos,
         eos_token_id=eos,
         pad_token_id=pad,
+        **moe,
     )
     if opt("attention.key_length") is not None:
         values["head_dim"] = head_dim
     if arch == "llama" and "blk.0.attn_q.bias" in tensor_names:
         values["attention_bias"] = True
+    if arch == "qwen2moe":
+        values["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
     config = AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if v is not None})
     config.architectures = [class_name]
     out: dict[str, Any] = config.to_dict()
     return out
+
+
+def _moe_fields(fields: Any, arch: str, tensor_names: set[str], gguf_path: Path) -> dict[str, Any]:
+    """The config's expert fields (module doc), from ``{arch}.expert_*`` and
+    from which layers hold experts."""
+
+    def number(key: str, required: bool = True) -> int | None:
+        field = fields.get(f"{arch}.{key}")
+        if field is None and required:
+            raise GgufError(f"{gguf_path.name}: metadata key {arch}.{key} is missing")
+        return None if field is None else int(field.contents())
+
+    norm = fields.get(f"{arch}.expert_weights_norm")
+    layers = int(_value(fields, f"{arch}.block_count", gguf_path))
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    values: dict[str, Any] = dict(
+        num_experts=number("expert_count"),
+        num_experts_per_tok=number("expert_used_count"),
+        moe_intermediate_size=number("expert_feed_forward_length"),
+        norm_topk_prob=bool(norm.contents()) if norm is not None else MOE_ARCHS[arch],
+        decoder_sparse_step=1,
+        mlp_only_layers=dense,
+    )
+    shared = number("expert_shared_feed_forward_length", required=False)
+    if arch == "qwen2moe":
+        values["shared_expert_intermediate_size"] = shared or 0
+    return values
 
 
 def _head_dim(opt: Any, default: int, gguf_path: Path) -> int:

@@ -4,17 +4,23 @@ Contract: ``convert_gguf(gguf_path, out, stamp)`` checks the whole file first
 (architecture, metadata, every tensor's name and type), then writes into
 ``out``: ``config.json``, ``generation_config.json``, the weights
 (``model.safetensors``, or shards and their index past ``SHARD_BYTES``),
-``packed.safetensors`` for the Q4_1/Q8_0 tensors, the tokenizer with its chat
-template, and last the ``stamp`` (``convert_once.STAMP``), so a folder with a
+``packed.safetensors`` for the quantized tensors, the tokenizer with its chat
+template, ``gguf_types.json`` (each tensor's GGUF type, for ``metrale
+info``), and last the ``stamp`` (``convert_once.STAMP``), so a folder with a
 stamp is complete. A file it cannot convert exactly raises ``GgufError``
 naming the architecture, the metadata key (``gguf_config.py`` reads the
 metadata) or the tensor and its type.
 
 Architectures, as ``general.architecture`` names them: ``llama`` (Llama,
-SmolLM, Mistral: llama.cpp writes them all as llama), ``qwen2``, ``qwen3``.
-Tensor types: F32, F16 and BF16 are stored as they are; Q4_1 and Q8_0 are
-dequantized to float32, which holds them exactly, and also kept in their
-blocks in ``packed.safetensors`` (``runtime/packed.py``) for the CPU kernel.
+SmolLM, Mistral: llama.cpp writes them all as llama), ``qwen2``, ``qwen3``,
+and the MoE ``qwen2moe`` and ``qwen3moe``, whose expert tensors are split
+into the per-expert keys of a HF checkpoint (``gguf_names.py``).
+Tensor types: F32, F16 and BF16 are stored as they are; the block types
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are dequantized to float32,
+which holds them exactly, and also kept in blocks in ``packed.safetensors``
+(``runtime/packed.py``, in the kernel's layout: ``gguf_blocks.py``) for the
+CPU kernel. Any other type (Q2_K, Q3_K, the IQ and TQ types...) is refused,
+naming it and a tensor that has it.
 llama.cpp stores a llama model's q/k projections permuted for its
 interleaved RoPE; the permutation is undone here (on rows, so it applies to
 blocks alike) so the half-split RoPE of HF checkpoints applies. Qwen models
@@ -36,15 +42,19 @@ import torch
 
 from metrale.engine.load import gguf_rope
 from metrale.engine.load.convert_once import STAMP
+from metrale.engine.load.gguf_blocks import KERNEL_TYPES, kernel_blocks
 from metrale.engine.load.gguf_config import (
     GgufError,
     architecture,
     generation_config,
     model_config,
 )
+from metrale.engine.load.gguf_names import hf_names, is_one_row
 from metrale.engine.runtime.packed import PACKED_FILE, save_packed
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_1")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", *KERNEL_TYPES)
+# Each tensor's GGUF type, as the file stores it: what `metrale info` lists.
+TYPES_FILE = "gguf_types.json"
 # Tensors that are settings, not weights: they go into config.json.
 CONFIG_TENSORS = (gguf_rope.NAME,)
 # A model whose dense weights exceed this is written in shards of at most this
@@ -80,6 +90,8 @@ def convert_gguf(gguf_path: Path, out: Path, stamp: Mapping[str, Any]) -> None:
     (out / "config.json").write_text(json.dumps(model.config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(model.generation, indent=2))
     write_tokenizer(gguf_path, out)
+    types = {str(t.name): t.tensor_type.name for t in reader.tensors}
+    (out / TYPES_FILE).write_text(json.dumps(types, indent=1))
     (out / STAMP).write_text(json.dumps(dict(stamp), indent=2))
 
 
@@ -105,62 +117,29 @@ def check_tensors(tensors: Any, gguf_path: Path) -> None:
         if kind not in SUPPORTED_TYPES:
             odd.setdefault(kind, str(tensor.name))
         if tensor.name not in CONFIG_TENSORS:
-            hf_name(str(tensor.name))
+            hf_names(str(tensor.name), numpy_shape(tensor))
     if odd:
         first = ", ".join(f"{name} is {kind}" for kind, name in odd.items())
         raise GgufError(
             f"{gguf_path.name}: tensor {first}; metrale reads GGUF tensors stored as "
-            f"{', '.join(SUPPORTED_TYPES)} only (use a Q8_0, Q4_1, F16 or BF16 GGUF of "
-            "the model, or its checkpoint folder)"
+            f"{', '.join(SUPPORTED_TYPES)} only (use a Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0 "
+            "GGUF of the model, or its checkpoint folder)"
         )
 
 
-_PARTS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+def numpy_shape(tensor: Any) -> list[int]:
+    """A GGUF tensor's shape outermost first (GGUF lists dims innermost first)."""
+    return [int(d) for d in reversed(tensor.shape)]
 
 
-def hf_name(name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``;
-    ``GgufError`` for a tensor with no counterpart (``rope_freqs.weight``,
-    expert tensors...), which a conversion could only drop."""
-    if name in _TOP:
-        return _TOP[name]
-    parts = name.split(".")
-    if (
-        len(parts) == 4
-        and parts[0] == "blk"
-        and parts[2] in _PARTS
-        and parts[3] in ("weight", "bias")
-    ):
-        return f"model.layers.{parts[1]}.{_PARTS[parts[2]]}.{parts[3]}"
-    raise GgufError(
-        f"tensor {name} has no counterpart in a HF Llama-family checkpoint "
-        "(metrale converts dense Llama and Qwen GGUFs)"
-    )
-
-
-def dense_value(tensor: Any, model: GgufModel) -> torch.Tensor:
-    """The tensor as the HF checkpoint stores it: ``[out_features, in_features]``
-    or ``[n]``, float32 for blocks, its own dtype for F32/F16/BF16."""
+def dense_values(tensor: Any, model: GgufModel) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors a GGUF tensor becomes (one per expert for an expert
+    tensor), as the HF checkpoint stores them: ``[out_features,
+    in_features]`` or ``[n]``, float32 for blocks, their own dtype for
+    F32/F16/BF16."""
     from gguf.quants import dequantize
 
-    shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dims innermost first
+    name, shape = str(tensor.name), numpy_shape(tensor)
     kind = tensor.tensor_type.name
     value: np.ndarray
     if kind == "F32":
@@ -171,9 +150,16 @@ def dense_value(tensor: Any, model: GgufModel) -> torch.Tensor:
         value = np.ascontiguousarray(tensor.data).view(np.int16).reshape(shape)
     else:
         value = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-    # A copy: the reader's arrays map the file read-only.
-    out = torch.from_numpy(np.array(unpermuted(str(tensor.name), value, model)))
-    return out.view(torch.bfloat16) if kind == "BF16" else out
+    if is_one_row(name):
+        value = value.reshape(1, -1)
+    names = hf_names(name, shape)
+    parts = [value] if len(names) == 1 else list(value)  # [experts, rows, cols]: one per expert
+    out = []
+    for hf, part in zip(names, parts, strict=True):
+        # A copy: the reader's arrays map the file read-only.
+        held = torch.from_numpy(np.array(unpermuted(name, part, model)))
+        out.append((hf, held.view(torch.bfloat16) if kind == "BF16" else held))
+    return out
 
 
 def unpermuted(gguf_name: str, rows: np.ndarray, model: GgufModel) -> np.ndarray:
@@ -205,13 +191,13 @@ def _write_dense(reader: Any, model: GgufModel, out: Path) -> None:
 
     shards = _shards(reader.tensors, model)
     if len(shards) == 1:
-        weights = {hf_name(str(t.name)): dense_value(t, model) for t in shards[0]}
+        weights = {k: v for t in shards[0] for k, v in dense_values(t, model)}
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
         return
     weight_map, total = {}, 0
     for number, shard in enumerate(shards, start=1):
         file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        weights = {hf_name(str(t.name)): dense_value(t, model) for t in shard}
+        weights = {k: v for t in shard for k, v in dense_values(t, model)}
         save_file(weights, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(weights, file))
         total += sum(w.numel() * w.element_size() for w in weights.values())
@@ -235,41 +221,37 @@ def _shards(tensors: Any, model: GgufModel) -> list[list[Any]]:
     return shards
 
 
-# bytes per block of 32 values: Q4_1 = f16 d, f16 m, 16 bytes of nibbles;
-# Q8_0 = f16 d, 32 signed bytes.
-_BLOCKS = {"Q4_1": ("q4_1", 20, 4), "Q8_0": ("q8_0", 34, 2)}
-
-
 def packed_blocks(tensor: Any) -> tuple[str, np.ndarray, np.ndarray] | None:
     """``(format, data [n, row_bytes] uint8, scales [n, row_scales] float32)``
-    for a Q4_1/Q8_0 tensor; ``None`` for other types (kept dense only)."""
-    if tensor.tensor_type.name not in _BLOCKS:
-        return None
-    fmt, block_bytes, scale_bytes = _BLOCKS[tensor.tensor_type.name]
+    of a quantized tensor in the kernel's layout (``gguf_blocks.py``), rows
+    outermost first (an expert tensor's experts one after the other);
+    ``None`` for F32/F16/BF16 (kept dense only)."""
     raw = np.asarray(tensor.data, dtype=np.uint8)
-    rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, block_bytes)  # [n, k / 32, block_bytes]
-    scales = blocks[:, :, :scale_bytes].copy().view(np.float16).astype(np.float32)
-    data = blocks[:, :, scale_bytes:].reshape(rows, -1)
-    return fmt, data, scales.reshape(rows, -1)
+    return kernel_blocks(tensor.tensor_type.name, raw.reshape(-1, raw.shape[-1]))
 
 
 def write_packed(reader: Any, model: GgufModel, file: Path) -> None:
-    """``packed.safetensors`` for the file's Q4_1/Q8_0 tensors, beside the
-    dense weights (written first: the packed file records their size)."""
+    """``packed.safetensors`` for the file's quantized tensors, if it has
+    any, beside the dense weights (written first: the packed file records
+    their size)."""
     weights = {}
     for tensor in reader.tensors:
         packed = packed_blocks(tensor)
-        if packed is not None:
-            fmt, data, scales = packed
-            data = unpermuted(str(tensor.name), data, model)
-            scales = unpermuted(str(tensor.name), scales, model)
-            weights[hf_name(str(tensor.name))] = (
+        if packed is None:
+            continue
+        fmt, data, scales = packed
+        name = str(tensor.name)
+        names = hf_names(name, numpy_shape(tensor))
+        rows = data.shape[0] // len(names)  # an expert tensor's rows: its experts in turn
+        for i, hf in enumerate(names):
+            part = slice(i * rows, (i + 1) * rows)
+            weights[hf] = (
                 fmt,
-                torch.from_numpy(np.ascontiguousarray(data)),
-                torch.from_numpy(np.ascontiguousarray(scales)),
+                torch.from_numpy(np.ascontiguousarray(unpermuted(name, data[part], model))),
+                torch.from_numpy(np.ascontiguousarray(unpermuted(name, scales[part], model))),
             )
-    save_packed(weights, file)
+    if weights:  # an F32/F16/BF16 file has none: no packed file, as for a plain folder
+        save_packed(weights, file)
 
 
 def write_tokenizer(gguf_path: Path, out: Path) -> None:

@@ -43,11 +43,18 @@ from metrale.engine.kernels.binding import PackedKernel, kernel_problem, packed_
 from metrale.engine.load.checkpoint import Checkpoint, read_checkpoint
 from metrale.engine.load.fast_tokenizer import read_tokenizer
 from metrale.engine.load.heap import release_free_heap
+from metrale.engine.load.model_info import (
+    count_parameters,
+    describe_attention,
+    describe_blocks,
+    describe_experts,
+    describe_quant,
+    streamed_bytes_per_token,
+)
 from metrale.engine.load.source import HEADS_DIR as HEADS_DIR  # where tests find the heads
 from metrale.engine.load.source import resolve_source
 from metrale.engine.runtime.arch import ArchSpec, CheckpointError
 from metrale.engine.runtime.device import dtype_name, pick_device, pick_dtype
-from metrale.engine.runtime.fp8 import BlockFp8
 from metrale.engine.runtime.kv_sizing import (
     GIB,
     KvSizing,
@@ -61,7 +68,7 @@ from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.model import Model, MtpModule
 from metrale.engine.runtime.mtp import MtpFound, detect_mtp, load_checkpoint_mtp
 from metrale.engine.runtime.mtp_head import MtpHeadError, head_paths, load_mtp_head
-from metrale.engine.runtime.packed import Bf16Source, PackedSource, PackedStore, PackedWeight
+from metrale.engine.runtime.packed import Bf16Source, PackedSource, PackedStore
 from metrale.engine.runtime.static_step import HEADROOM
 from metrale.engine.runtime.weights import WeightStore
 
@@ -99,6 +106,10 @@ class ModelInfo:
     experts: str | None  # routed / shared / active per token; None: dense
     quantization: str  # "none" or the block FP8 layout
     load_s: float
+    # A converted GGUF's tensor types, "Q5_0 x 166, Q8_0 x 15, ..."; None otherwise.
+    gguf_blocks: str | None = None
+    # Weight bytes one decoded row reads, as held (model_info.streamed_bytes_per_token).
+    streamed_bytes: int = 0
 
 
 @dataclass
@@ -175,6 +186,8 @@ def load_model(source: str | Path | None, runtime: RuntimeConfig) -> LoadedModel
         experts=describe_experts(checkpoint.spec),
         quantization=describe_quant(checkpoint.quant),
         load_s=time.perf_counter() - started,
+        gguf_blocks=describe_blocks(folder),
+        streamed_bytes=streamed_bytes_per_token(model),
     )
     eos = eos_token_ids(folder, checkpoint.raw_config, tokenizer)
     return LoadedModel(model, list(mtp), tokenizer, eos, info, name, folder)
@@ -393,85 +406,12 @@ def choose_max_len(
     return max_len
 
 
-def describe_attention(spec: ArchSpec) -> str:
-    """The attention kind and shapes, as ``metrale info`` shows them."""
-    if spec.mla is not None:
-        mla = spec.mla
-        q = f"q rank {mla.q_lora_rank}" if mla.q_lora_rank else "full-rank q"
-        return (
-            f"MLA, {spec.num_heads} heads, latent {mla.kv_lora_rank} + rope key "
-            f"{mla.qk_rope_head_dim} cached, {q}"
-        )
-    rotary = spec.rope_dim / spec.head_dim
-    gated = "gated GQA" if spec.attn_gate else "GQA"
-    text = f"{gated}, {spec.num_heads} query / {spec.num_kv_heads} kv heads of {spec.head_dim}"
-    text = text if rotary == 1 else f"{text}, {rotary:.0%} rotary"
-    lin = spec.linear
-    if lin is None:
-        return text
-    return (
-        f"{text}, in {len(spec.attention_layers)} of {spec.num_layers} layers; the other "
-        f"{len(lin.layers)} are gated DeltaNet, {lin.num_k_heads} key / {lin.num_v_heads} "
-        f"value heads of {lin.k_head_dim} / {lin.v_head_dim}, conv {lin.conv_kernel}"
-    )
-
-
 def state_bytes_per_slot(spec: ArchSpec, dtype: torch.dtype) -> int:
     """What a slot of ``spec``'s model holds whatever its length (``KvSizing.slot_bytes``)."""
     if spec.linear is None:
         return 0
     layers = spec.num_layers - len(spec.attention_layers)
     return LinearStates.bytes_per_slot(spec.linear, layers, VERIFY_ROWS, dtype)
-
-
-def describe_experts(spec: ArchSpec) -> str | None:
-    """Routed, shared and active experts; None for a dense model."""
-    moe = spec.moe
-    if moe is None:
-        return None
-    shared = moe.num_shared or (1 if moe.shared_size else 0)
-    text = (
-        f"{moe.num_experts} routed, {shared} shared, {moe.experts_per_token} routed active "
-        f"per token ({moe.routing.replace('_', ' ')})"
-    )
-    if moe.dense_layers:
-        count = len(moe.dense_layers)
-        text += f"; {count} dense layer{'s' if count > 1 else ''}"
-    return text
-
-
-def describe_quant(quant: BlockFp8 | None) -> str:
-    if quant is None:
-        return "none"
-    rows, cols = quant.block
-    return f"block FP8 e4m3, {rows}x{cols} blocks ({quant.method}), dequantized at load"
-
-
-def count_parameters(module: Any) -> int:
-    """Distinct weight elements a runtime object holds (tied tensors once)."""
-    seen: dict[int, int] = {}
-
-    def visit(value: Any) -> None:
-        if isinstance(value, PackedWeight):
-            rows, cols = value.shape
-            seen[id(value)] = rows * cols
-        elif isinstance(value, torch.Tensor) and value.is_floating_point():  # not token ids
-            seen[id(value)] = value.numel()
-        elif isinstance(value, list | tuple):
-            for item in value:
-                visit(item)
-        elif hasattr(value, "__dataclass_fields__"):
-            for field_name in value.__dataclass_fields__:
-                visit(getattr(value, field_name))
-
-    if isinstance(module, LlamaModel):
-        head = module.head
-        embed = head.embed.packed if head.embed.packed is not None else head.embed.table
-        visit([embed, head.norm] + ([] if module.tied else [head.lm_head]))
-        visit(module.stack.blocks)
-    else:
-        visit(getattr(module, "weights", None))
-    return sum(seen.values())
 
 
 def _tokenizer(folder: Path) -> Any:

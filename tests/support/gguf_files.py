@@ -10,12 +10,20 @@ llama.cpp's ``rope_freqs.weight`` divisors, hyperparameters through
 metadata: ``gpt2`` model, tokens in the byte-level spelling, the specials
 marked control, scores, BOS/EOS/EOT/padding ids and the chat template.
 
-``qtype`` is a ``GGMLQuantizationType`` name. Types gguf can quantize in
-Python (F32, F16, BF16, Q8_0, Q4_1, Q5_0...) hold the real values; others
-(Q4_K, Q6_K...) get zero bytes of the right size, enough for a reader that
-refuses them by type. ``dequantized_twin(checkpoint, out, qtype)`` copies the
-checkpoint with each 2-D weight replaced by what ``qtype`` holds of it, so a
-GGUF and its twin describe the same model exactly.
+``qtype`` is a ``GGMLQuantizationType`` name. The block types metrale reads
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and F32, F16, BF16 hold the
+real values (``tests/support/gguf_quants.py``); others (Q2_K, IQ4_NL...) get
+zero bytes of the right size, enough for a reader that refuses them by
+type. ``dequantized_twin(checkpoint, out, qtype)`` copies the checkpoint
+with each 2-D weight replaced by what ``qtype`` holds of it, so a GGUF and
+its twin describe the same model exactly.
+
+A MoE checkpoint (``tests/support/moe_checkpoints.py``, every layer's MLP
+made of experts, as llama.cpp runs them) is written as llama.cpp's
+converter writes ``qwen2moe`` and ``qwen3moe``: each projection's experts
+stacked into one ``[experts, rows, cols]`` tensor (``ffn_*_exps``), the
+expert counts and sizes as ``{arch}.expert_*`` keys, and Qwen2-MoE's shared
+expert gate as a vector.
 """
 
 from __future__ import annotations
@@ -29,16 +37,19 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from tests.support.checkpoints import CHAT_TEMPLATE, SPECIAL_TOKENS
+from tests.support.gguf_quants import quantize_blocks
 
 ARCHS = {
     "llama": gguf.MODEL_ARCH.LLAMA,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+    "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
 }
 CONTROL, NORMAL = 3, 1  # gguf.TokenType values
 IM_END = "<|im_end|>"
@@ -53,14 +64,17 @@ def write_gguf(checkpoint: Path, path: Path, qtype: str = "F32") -> Path:
     _write_tokenizer(writer, checkpoint)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     kind = GGMLQuantizationType[qtype]
-    for name, value in sorted(load_file(str(checkpoint / "model.safetensors")).items()):
-        weight = value.float().numpy()  # [out, in] or [n]
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    for name, value in sorted(_stack_experts(weights).items()):
+        weight = value.float().numpy()  # [out, in], [experts, out, in] or [n]
         if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             weight = llama_cpp_permute(weight, heads)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
-        if weight.ndim == 1 or kind == GGMLQuantizationType.F32:
+        if name.endswith("shared_expert_gate.weight"):
+            weight = weight.reshape(-1)  # llama.cpp's loader takes it as a vector
+        if weight.ndim == 1 or kind == GGMLQuantizationType.F32 or kept_float(name):
             writer.add_tensor(gguf_name, weight)
         else:
             writer.add_tensor(gguf_name, _stored(weight, kind), raw_dtype=kind)
@@ -112,19 +126,43 @@ def dequantized_twin(checkpoint: Path, out: Path, qtype: str) -> Path:
     kind = GGMLQuantizationType[qtype]
     weights = load_file(str(out / "model.safetensors"))
     for name, value in weights.items():
-        if value.dim() == 2:
-            held = dequantize(quantize(value.numpy(), kind), kind)
+        if value.dim() == 2 and not kept_float(name):
+            held = dequantize(_stored(value.float().numpy(), kind), kind).reshape(value.shape)
             weights[name] = torch.from_numpy(np.ascontiguousarray(held, dtype=np.float32))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
+def kept_float(name: str) -> bool:
+    """Routers, which llama.cpp never quantizes, and the shared expert's gate."""
+    return name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))
+
+
 def _stored(weight: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
-    """The bytes a GGUF stores for ``weight`` (``[rows, row_bytes]`` uint8)."""
+    """The bytes a GGUF stores for ``weight`` (``[..., rows, row_bytes]`` uint8)."""
+    rows = weight.reshape(-1, weight.shape[-1])
     try:
-        return quantize(weight, kind)
-    except NotImplementedError:  # no Python quantizer (k-quants, i-quants): bytes only
+        held = quantize_blocks(rows, kind.name)
+    except NotImplementedError:  # no quantizer (Q2_K, the i-quants...): bytes only
         return np.zeros(quant_shape_to_byte_shape(weight.shape, kind), dtype=np.uint8)
+    return held.reshape(*weight.shape[:-1], -1)
+
+
+def _stack_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``mlp.experts.{e}.{proj}.weight`` -> ``mlp.experts.{proj}.weight``
+    ``[experts, rows, cols]``, as llama.cpp's converter merges them."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, value in weights.items():
+        prefix, sep, rest = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = value
+            continue
+        number, _, projection = rest.partition(".")
+        experts.setdefault(f"{prefix}.mlp.experts.{projection}", {})[int(number)] = value
+    for name, parts in experts.items():
+        out[name] = torch.stack([parts[e] for e in sorted(parts)])
+    return out
 
 
 def _write_hyperparameters(writer: gguf.GGUFWriter, config: dict) -> None:
@@ -137,10 +175,17 @@ def _write_hyperparameters(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_rope_dimension_count(config["head_dim"])
-    if config["model_type"] == "qwen3":  # llama.cpp writes Qwen3's head size
-        writer.add_key_length(config["head_dim"])
-        writer.add_value_length(config["head_dim"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_rope_dimension_count(head_dim)
+    if config["model_type"] in ("qwen3", "qwen3_moe"):  # llama.cpp writes Qwen3's head size
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if config["model_type"] in ("qwen2_moe", "qwen3_moe"):
+        writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config["model_type"] == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, checkpoint: Path) -> None:

@@ -19,7 +19,7 @@ from metrale.cli.main import app
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine
-from metrale.engine.load import gguf_cache
+from metrale.engine.load import gguf_cache, loader
 from metrale.engine.load.convert_once import STAMP
 from metrale.engine.load.gguf_config import GgufError
 from metrale.engine.load.loader import LoadedModel, load_model
@@ -145,11 +145,24 @@ def test_the_tokenizer_and_chat_template_come_from_the_metadata(tmp_path: Path) 
     assert ours.apply_chat_template(chat, **kwargs) == theirs.apply_chat_template(chat, **kwargs)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+# The block types and the packed format each is held in (K-quants need rows of 256).
+BLOCK_TYPES = {
+    "Q8_0": "q8_0",
+    "Q4_1": "q4_1",
+    "Q4_0": "q4_0",
+    "Q5_0": "q5_0",
+    "Q5_1": "q5_1",
+    "Q4_K": "q4_1",
+    "Q5_K": "q5_1",
+    "Q6_K": "q6_k",
+}
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
 def test_a_block_gguf_generates_what_its_dequantized_twin_generates(
     tmp_path: Path, qtype: str
 ) -> None:
-    source = tiny(tmp_path)
+    source = tiny(tmp_path, wide=qtype.endswith("_K"))
     twin = dequantized_twin(source, tmp_path / "dequantized", qtype)
     path = write_gguf(source, tmp_path / "m.gguf", qtype)
     dense = RuntimeConfig(**{**vars(RUNTIME), "weights": "dense"})
@@ -157,8 +170,22 @@ def test_a_block_gguf_generates_what_its_dequantized_twin_generates(
     assert torch.equal(prefill_logits(ours), prefill_logits(theirs))
     assert greedy(ours) == greedy(theirs)
     packed = load_model(str(path), RUNTIME)  # the blocks as stored, in the CPU kernel
-    assert packed.info.weights == f"packed ({qtype.lower()})"
+    assert packed.info.weights == f"packed ({BLOCK_TYPES[qtype]})"
     assert greedy(packed) == greedy(theirs) == greedy(packed, lookup=True)
+
+
+def test_without_the_kernel_a_k_quant_gguf_runs_dense_and_generates_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No C compiler (or METRALE_NO_KERNEL): the dense float32 weights the
+    # conversion wrote, the same model.
+    path = write_gguf(tiny(tmp_path, wide=True), tmp_path / "m.gguf", "Q4_K")
+    packed = greedy(load_model(str(path), RUNTIME))
+    monkeypatch.setattr(loader, "packed_kernel", lambda: None)
+    monkeypatch.setattr(loader, "kernel_problem", lambda: "no C compiler (cc or gcc) on PATH")
+    fallback = load_model(str(path), RUNTIME)
+    assert fallback.info.weights == "dense (no C compiler (cc or gcc) on PATH)"
+    assert greedy(fallback) == packed
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16"])
@@ -175,14 +202,14 @@ def test_a_half_precision_gguf_keeps_its_dtype(tmp_path: Path, qtype: str) -> No
     assert all(torch.equal(ours[name].float(), theirs[name]) for name in theirs)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "IQ4_NL"])
 def test_an_unsupported_tensor_type_is_refused_naming_it_and_the_tensor(
     tmp_path: Path, cache_root: Path, qtype: str
 ) -> None:
     path = write_gguf(tiny(tmp_path, wide=True), tmp_path / "m.gguf", qtype)
     first = gguf.GGUFReader(str(path)).tensors[0].name  # a 2-D weight: norms stay F32
     with pytest.raises(
-        GgufError, match=rf"tensor {first} is {qtype}; .*F32, F16, BF16, Q8_0, Q4_1"
+        GgufError, match=rf"tensor {first} is {qtype}; .*F32, F16, BF16, Q4_0, Q4_1, .*Q6_K"
     ):
         load_model(str(path), RUNTIME)
     assert not any(cache_root.iterdir())  # no folder, finished or not
@@ -227,12 +254,18 @@ def test_a_gguf_converts_once_and_again_when_the_file_changes(
     assert [p.name for p in cache_root.iterdir()] == [second.name]  # the stale one is gone
 
 
-def test_info_names_the_gguf_and_refuses_a_bad_one_with_exit_2(tmp_path: Path) -> None:
-    path = write_gguf(tiny(tmp_path), tmp_path / "m.gguf")
+def test_info_names_the_gguf_and_its_block_types_and_refuses_a_bad_one_with_exit_2(
+    tmp_path: Path,
+) -> None:
+    path = write_gguf(tiny(tmp_path), tmp_path / "m.gguf", "Q5_0")
     result = CliRunner().invoke(app, ["info", str(path)], env=WIDE)
     assert result.exit_code == 0, result.output
     assert f"gguf file {path}" in result.output
-    bad = write_gguf(tiny(tmp_path / "k", wide=True), tmp_path / "k.gguf", "Q4_K")
+    # 16 weights in Q5_0 (7 a layer, the embedding, the LM head), 5 norms in F32.
+    assert "GGUF tensors        Q5_0 x 16, F32 x 5" in result.output
+    streamed = load_model(str(path), RUNTIME).info.streamed_bytes
+    assert f"({streamed:,} bytes) a decoded token reads" in result.output
+    bad = write_gguf(tiny(tmp_path / "k", wide=True), tmp_path / "k.gguf", "Q3_K")
     result = CliRunner().invoke(app, ["info", str(bad)], env=WIDE)
     assert result.exit_code == 2
-    assert "is Q4_K" in result.output
+    assert "is Q3_K" in result.output
