@@ -49,7 +49,9 @@ HEADERS = tuple(KERNELS / name for name in ("packed.h", "packed_columns.h", "vec
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 # The packed formats, as packed.h numbers them (runtime/packed.py's LAYOUT
 # gives their bytes; load/gguf_blocks.py which GGUF type becomes which).
-FORMATS = {"q4_1": 0, "q8_0": 1, "bf16": 2, "q4_0": 3, "q5_0": 4, "q5_1": 5, "q6_k": 6}
+# "parts" is no block format: a weight stacked from parts of several formats,
+# its data a table of them (packed_linear.c, runtime/packed.py's stack).
+FORMATS = {"q4_1": 0, "q8_0": 1, "bf16": 2, "q4_0": 3, "q5_0": 4, "q5_1": 5, "q6_k": 6, "parts": 7}
 LAYER_FIELDS = 16  # int64 fields of a layer in decoder_layers.c's table
 
 _pointer, _int64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

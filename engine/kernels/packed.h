@@ -26,6 +26,7 @@
 enum {
     FORMAT_Q4_1 = 0, FORMAT_Q8_0 = 1, FORMAT_BF16 = 2, FORMAT_Q4_0 = 3, FORMAT_Q5_0 = 4,
     FORMAT_Q5_1 = 5, FORMAT_Q6_K = 6, FORMATS = 7,
+    FORMAT_PARTS = 7, /* not a block format: parts of others, stacked (packed_linear.c) */
 };
 enum {
     LANES = 8,        /* rows of a strip: one 8-wide vector */
@@ -48,14 +49,15 @@ PACKED_INTERNAL void packed_tiles(const float *x, int64_t M, int64_t K, const fl
 /* packed_rows.c, the register paths, over this thread's strips [first,
  * last) of a weight of `blocks` blocks a row (strip blocks of `block_bytes`
  * bytes and `block_scales` scales): out [N] = x [K] @ decode(weight)^T for
- * one row, and out [M, N] for 2 <= M <= REGISTER_ROWS rows of any format
- * but bfloat16. */
+ * one row, and out [M, N] (row stride ldo) for 2 <= M <= REGISTER_ROWS
+ * rows of any format but bfloat16. */
 PACKED_INTERNAL void packed_one_row(int format, const float *x, int64_t blocks, const uint8_t *data,
                                     const float *scales, int64_t block_bytes, int64_t block_scales, int64_t N,
                                     int64_t first, int64_t last, float *out);
 PACKED_INTERNAL void packed_few_rows(int format, const float *x, int64_t M, int64_t K, int64_t blocks,
                                      const uint8_t *data, const float *scales, int64_t block_bytes,
-                                     int64_t block_scales, int64_t N, int64_t first, int64_t last, float *out);
+                                     int64_t block_scales, int64_t N, int64_t first, int64_t last, float *out,
+                                     int64_t ldo);
 
 /* A group's 64 outputs for one row: `data` and `scales` at its first block. */
 typedef void (*row_group_fn)(const float *x, int64_t blocks, const uint8_t *data, const float *scales, float *out);

@@ -143,11 +143,12 @@ int metrale_vector_lanes(void) {
 #endif
 }
 
-/* out [M, N] = x [M, K] @ decode(weight)^T. Returns 0, or -1 for a bad
- * format or a K that is not a multiple of 32, or -2 when out of memory. */
-int metrale_packed_linear(
+/* out [M, N] (row stride ldo) = x [M, K] @ decode(weight)^T for a weight of
+ * one format. Returns 0, -1 for a bad format or a K that is not a multiple
+ * of 32, or -2 when out of memory. */
+static int linear_one_format(
     int format, const float *x, int64_t M, int64_t K, const uint8_t *data, const float *scales,
-    int64_t N, float *out, int threads) {
+    int64_t N, float *out, int64_t ldo, int threads) {
     int64_t block_bytes, block_scales;
     const decode_block_fn decode = decoder(format, &block_bytes, &block_scales);
     if (decode == NULL || K % BLOCK != 0) return -1;
@@ -166,7 +167,8 @@ int metrale_packed_linear(
             packed_one_row(format, x, blocks, data, scales, block_bytes, block_scales, N, first, last, out);
             first = last; /* nothing left for the tiles */
         } else if (M <= REGISTER_ROWS && format != FORMAT_BF16) {
-            packed_few_rows(format, x, M, K, blocks, data, scales, block_bytes, block_scales, N, first, last, out);
+            packed_few_rows(format, x, M, K, blocks, data, scales, block_bytes, block_scales, N, first, last, out,
+                            ldo);
             first = last;
         }
 #endif
@@ -188,7 +190,7 @@ int metrale_packed_linear(
                 packed_tiles(x + b0 * BLOCK, M, K, buf, chunk * BLOCK, count, acc);
             }
             const int64_t n0 = s0 * LANES, width = N - n0 < count * LANES ? N - n0 : count * LANES;
-            for (int64_t m = 0; m < M; m++) memcpy(out + m * N + n0, acc + m * COLS, sizeof(float) * width);
+            for (int64_t m = 0; m < M; m++) memcpy(out + m * ldo + n0, acc + m * COLS, sizeof(float) * width);
         }
         free(buf);
         free(acc);
@@ -196,9 +198,44 @@ int metrale_packed_linear(
     return failed ? -2 : 0;
 }
 
+/* A weight stacked from parts of different formats (q/k/v of a GGUF whose
+ * v is stored in another type): `data` points at its parts' rows of
+ * PART_FIELDS int64 (format, data, scales, rows), rows in order, their rows
+ * summing to N. Each part is its own product into its columns of out. */
+enum { PART_FORMAT, PART_DATA, PART_SCALES, PART_ROWS, PART_FIELDS };
+
+/* out [M, N] = x [M, K] @ decode(weight)^T. Returns 0, or -1 for a bad
+ * format or a K that is not a multiple of 32, or -2 when out of memory. */
+int metrale_packed_linear(
+    int format, const float *x, int64_t M, int64_t K, const uint8_t *data, const float *scales,
+    int64_t N, float *out, int threads) {
+    if (format != FORMAT_PARTS) return linear_one_format(format, x, M, K, data, scales, N, out, N, threads);
+    const int64_t *part = (const int64_t *)data;
+    for (int64_t n0 = 0; n0 < N; n0 += part[PART_ROWS], part += PART_FIELDS) {
+        if (part[PART_FORMAT] == FORMAT_PARTS || part[PART_ROWS] <= 0 || n0 + part[PART_ROWS] > N) return -1;
+        const int code = linear_one_format(
+            (int)part[PART_FORMAT], x, M, K, (const uint8_t *)(intptr_t)part[PART_DATA],
+            (const float *)(intptr_t)part[PART_SCALES], part[PART_ROWS], out + n0, N, threads);
+        if (code != 0) return code;
+    }
+    (void)scales;
+    return 0;
+}
+
 /* out [N, K] = decode(weight) in row-major order: for training (the frozen
  * LM head) and for tests. */
 int metrale_decode(int format, int64_t K, const uint8_t *data, const float *scales, int64_t N, float *out, int threads) {
+    if (format == FORMAT_PARTS) { /* each part's rows in turn */
+        const int64_t *part = (const int64_t *)data;
+        for (int64_t n0 = 0; n0 < N; n0 += part[PART_ROWS], part += PART_FIELDS) {
+            if (part[PART_FORMAT] == FORMAT_PARTS || part[PART_ROWS] <= 0 || n0 + part[PART_ROWS] > N) return -1;
+            const int code = metrale_decode((int)part[PART_FORMAT], K, (const uint8_t *)(intptr_t)part[PART_DATA],
+                                            (const float *)(intptr_t)part[PART_SCALES], part[PART_ROWS],
+                                            out + n0 * K, threads);
+            if (code != 0) return code;
+        }
+        return 0;
+    }
     int64_t block_bytes, block_scales;
     const decode_block_fn decode = decoder(format, &block_bytes, &block_scales);
     if (decode == NULL || K % BLOCK != 0) return -1;

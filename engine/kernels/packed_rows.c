@@ -183,13 +183,14 @@ static void strips_rows(rows_fn run, int M, int c, int count, const float *x, in
     }
 }
 
-/* out [M, N] for 2 <= M <= REGISTER_ROWS over this thread's strips [first,
+/* out [M, N] (row stride ldo) for 2 <= M <= REGISTER_ROWS over this thread's strips [first,
  * last): per group, its strips of each block in turn, S at a time (the
  * rows' doc above). With AVX-512, Q4_1 and Q8_0 take the strips two at a
  * time in 16-wide registers, and an odd strip left the 8-wide code. */
 void packed_few_rows(int format, const float *x, int64_t M, int64_t K, int64_t blocks,
                      const uint8_t *data, const float *scales, int64_t block_bytes,
-                     int64_t block_scales, int64_t N, int64_t first, int64_t last, float *out) {
+                     int64_t block_scales, int64_t N, int64_t first, int64_t last, float *out,
+                     int64_t ldo) {
     float acc[REGISTER_ROWS * COLS];
     const rows_fn run = ROWS[format];
 #ifdef METRALE_AVX512
@@ -215,7 +216,7 @@ void packed_few_rows(int format, const float *x, int64_t M, int64_t K, int64_t b
             strips_rows(run, (int)M, c, count, x + b * BLOCK, K, bytes, sc, block_bytes, block_scales, acc);
         }
         const int64_t n0 = s0 * LANES, width = N - n0 < count * LANES ? N - n0 : count * LANES;
-        for (int64_t m = 0; m < M; m++) memcpy(out + m * N + n0, acc + m * COLS, sizeof(float) * width);
+        for (int64_t m = 0; m < M; m++) memcpy(out + m * ldo + n0, acc + m * COLS, sizeof(float) * width);
     }
 }
 

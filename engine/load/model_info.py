@@ -119,6 +119,8 @@ def held_bytes(value: Any) -> int:
     """Bytes of the weights in ``value`` as held: a tensor, a packed weight
     (blocks and scales), or a dataclass or list of them."""
     if isinstance(value, PackedWeight):
+        if value.parts:  # its tiles are the parts' table
+            return held_bytes(value.parts)
         return _tensor_bytes(value.tiles) + _tensor_bytes(value.tile_scales)
     if isinstance(value, torch.Tensor):
         return _tensor_bytes(value) if value.is_floating_point() else 0  # not token ids

@@ -78,9 +78,9 @@ def load_block(
         """One linear weight, or several stacked along their rows (fused)."""
         found = [packed.get(prefix + n) if packed else None for n in names]
         parts = [w for w in found if w is not None]
-        if len(parts) == len(names) and len({(w.fmt, w.shape[1]) for w in parts}) == 1:
-            return PackedWeight.stack(parts)
-        return torch.cat([get(n) for n in names])  # some part is dense, or formats differ
+        if len(parts) == len(names) and len({w.shape[1] for w in parts}) == 1:
+            return PackedWeight.stack(parts)  # in several formats, as parts
+        return torch.cat([get(n) for n in names])  # some part is dense
 
     def norm(name: str) -> torch.Tensor:
         return (store.get(prefix + name).float() + offset).to(device=device, dtype=dtype)

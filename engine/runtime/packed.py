@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from metrale.engine.kernels.binding import FORMATS, PackedKernel
+from metrale.engine.kernels.binding import PackedKernel
 from metrale.engine.runtime.weights import WeightStore
 
 PACKED_FILE = "packed.safetensors"
@@ -59,17 +59,22 @@ ROW_CHUNK = 16 * GROUP * STRIP
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A ``[n, k]`` linear weight in ``fmt`` (``q4_1``, ``q8_0`` or ``bf16``),
-    held in the kernel's layout (``kernels/packed_linear.c``): groups of 64
-    rows, block by block, each block's 8 strips of 8 rows column-major. Build
-    one from row-major blocks with ``from_rows``; ``row_blocks`` gives them
-    back."""
+    """A ``[n, k]`` linear weight in ``fmt`` (a ``LAYOUT`` format), held in
+    the kernel's layout (``kernels/packed_linear.c``): groups of 64 rows,
+    block by block, each block's 8 strips of 8 rows column-major. Build one
+    from row-major blocks with ``from_rows``; ``row_blocks`` gives them back.
+    ``stack`` of weights in several formats gives one of format ``parts``,
+    which the kernel multiplies part by part into one output."""
 
     fmt: str
     tiles: torch.Tensor  # [ceil(n / 64), k / 32 * 64 * block bytes per row] uint8
     tile_scales: torch.Tensor  # [ceil(n / 64), k / 32 * 64 * block scales per row] float32
     shape: tuple[int, int]  # [n, k] of the weight it stands for
     kernel: PackedKernel
+    # Format "parts": the weights stacked, each in its own format; ``tiles``
+    # is then their table for the kernel (format, data, scales, rows each,
+    # int64 as bytes) and ``tile_scales`` empty.
+    parts: tuple[PackedWeight, ...] = ()
 
     @staticmethod
     def from_rows(
@@ -79,7 +84,7 @@ class PackedWeight:
         float32, the GGUF block order of each row (Q4_1: 16 bytes a block, low
         nibbles the block's first 16 values; scales ``(d, m)`` per block)."""
         if fmt not in LAYOUT:
-            raise ValueError(f"unknown packed format {fmt!r}; known: {', '.join(FORMATS)}")
+            raise ValueError(f"unknown packed format {fmt!r}; known: {', '.join(LAYOUT)}")
         if data.dtype != torch.uint8 or scales.dtype != torch.float32:
             raise ValueError("packed data must be uint8 and scales float32")
         element, per_block, num_scales = LAYOUT[fmt]
@@ -129,6 +134,7 @@ class PackedWeight:
 
     def row_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(data, scales)`` in the row-major layout ``from_rows`` takes."""
+        _one_format(self)
         element, per_block, num_scales = LAYOUT[self.fmt]
         n, k = self.shape
         values = _from_tiles(self.tiles.view(element), n, k // BLOCK, per_block)
@@ -165,20 +171,56 @@ class PackedWeight:
 
     @staticmethod
     def stack(parts: list[PackedWeight]) -> PackedWeight:
-        """Rows of several weights of one format and width, as one (q/k/v, gate/up)."""
-        first = parts[0]
-        if any(p.fmt != first.fmt or p.shape[1] != first.shape[1] for p in parts):
-            raise ValueError("only packed weights of one format and width can be stacked")
-        rows = sum(p.shape[0] for p in parts)
-        if all(p.shape[0] % (GROUP * STRIP) == 0 for p in parts):
-            # Whole groups of rows, none padded: the stacked tiles are the parts' tiles in turn.
-            tiles = torch.cat([p.tiles for p in parts])
-            scales = torch.cat([p.tile_scales for p in parts])
-            return PackedWeight(first.fmt, tiles, scales, (rows, first.shape[1]), first.kernel)
-        blocks = [p.row_blocks() for p in parts]
-        data = torch.cat([d for d, _ in blocks])
-        scales = torch.cat([s for _, s in blocks])
-        return PackedWeight.from_rows(first.fmt, data, scales, first.kernel)
+        """Rows of several weights of one width, as one (q/k/v, gate/up).
+        Neighbours of one format are joined into one; if several formats
+        remain (a GGUF's v in another type than its q and k), the result is
+        of format ``parts``, each part multiplied in its own format, so every
+        row keeps its blocks and its bits."""
+        flat = [p for weight in parts for p in (weight.parts or (weight,))]
+        first = flat[0]
+        if any(p.shape[1] != first.shape[1] for p in flat):
+            raise ValueError("only packed weights of one width can be stacked")
+        runs: list[list[PackedWeight]] = []
+        for p in flat:
+            if runs and runs[-1][0].fmt == p.fmt:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        joined = [_stack_one_format(run) for run in runs]
+        if len(joined) == 1:
+            return joined[0]
+        kernel = first.kernel
+        table = torch.tensor(
+            [[*kernel.weight_fields(p.fmt, p.tiles, p.tile_scales), p.shape[0]] for p in joined],
+            dtype=torch.int64,
+        )  # [parts, 4]: format, data, scales, rows
+        rows = sum(p.shape[0] for p in joined)
+        return PackedWeight(
+            "parts", table.view(torch.uint8), torch.zeros(0), (rows, first.shape[1]), kernel,
+            tuple(joined),
+        )  # fmt: skip
+
+
+def _stack_one_format(parts: list[PackedWeight]) -> PackedWeight:
+    """``PackedWeight.stack`` of weights of one format."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    rows = sum(p.shape[0] for p in parts)
+    if all(p.shape[0] % (GROUP * STRIP) == 0 for p in parts):
+        # Whole groups of rows, none padded: the stacked tiles are the parts' tiles in turn.
+        tiles = torch.cat([p.tiles for p in parts])
+        scales = torch.cat([p.tile_scales for p in parts])
+        return PackedWeight(first.fmt, tiles, scales, (rows, first.shape[1]), first.kernel)
+    blocks = [p.row_blocks() for p in parts]
+    data = torch.cat([d for d, _ in blocks])
+    scales = torch.cat([s for _, s in blocks])
+    return PackedWeight.from_rows(first.fmt, data, scales, first.kernel)
+
+
+def _one_format(weight: PackedWeight) -> None:
+    if weight.parts:
+        raise ValueError("a packed weight of parts in several formats has no one block layout")
 
 
 def _to_tiles(blocks: torch.Tensor) -> torch.Tensor:
@@ -293,6 +335,7 @@ def tiled_rows(weight: PackedWeight, ids: torch.Tensor) -> tuple[torch.Tensor, t
     gathered straight from its tiles: row ``r`` is lane ``r % 8`` of strip
     ``r // 8 % 8`` of group ``r // 64`` in every block, so no untiled copy of
     the whole weight is made."""
+    _one_format(weight)
     element, per_block, num_scales = LAYOUT[weight.fmt]
     k = weight.shape[1]
     blocks = k // BLOCK

@@ -14,7 +14,8 @@ marked control, scores, BOS/EOS/EOT/padding ids and the chat template.
 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and F32, F16, BF16 hold the
 real values (``tests/support/gguf_quants.py``); others (Q2_K, IQ4_NL...) get
 zero bytes of the right size, enough for a reader that refuses them by
-type. ``dequantized_twin(checkpoint, out, qtype)`` copies the checkpoint
+type. ``mix`` gives some tensors another type, by a part of their HF name
+(``{"v_proj": "Q8_0"}``), as llama.cpp's Q4_K_M mixes types. ``dequantized_twin(checkpoint, out, qtype)`` copies the checkpoint
 with each 2-D weight replaced by what ``qtype`` holds of it, so a GGUF and
 its twin describe the same model exactly.
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import gguf
@@ -55,7 +57,9 @@ CONTROL, NORMAL = 3, 1  # gguf.TokenType values
 IM_END = "<|im_end|>"
 
 
-def write_gguf(checkpoint: Path, path: Path, qtype: str = "F32") -> Path:
+def write_gguf(
+    checkpoint: Path, path: Path, qtype: str = "F32", mix: Mapping[str, str] | None = None
+) -> Path:
     config = json.loads((checkpoint / "config.json").read_text())
     family = config["model_type"]
     arch = ARCHS[family]
@@ -63,7 +67,6 @@ def write_gguf(checkpoint: Path, path: Path, qtype: str = "F32") -> Path:
     _write_hyperparameters(writer, config)
     _write_tokenizer(writer, checkpoint)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    kind = GGMLQuantizationType[qtype]
     weights = load_file(str(checkpoint / "model.safetensors"))
     for name, value in sorted(_stack_experts(weights).items()):
         weight = value.float().numpy()  # [out, in], [experts, out, in] or [n]
@@ -74,6 +77,7 @@ def write_gguf(checkpoint: Path, path: Path, qtype: str = "F32") -> Path:
         assert gguf_name is not None, name
         if name.endswith("shared_expert_gate.weight"):
             weight = weight.reshape(-1)  # llama.cpp's loader takes it as a vector
+        kind = GGMLQuantizationType[type_of(name, qtype, mix)]
         if weight.ndim == 1 or kind == GGMLQuantizationType.F32 or kept_float(name):
             writer.add_tensor(gguf_name, weight)
         else:
@@ -118,19 +122,26 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def dequantized_twin(checkpoint: Path, out: Path, qtype: str) -> Path:
+def dequantized_twin(
+    checkpoint: Path, out: Path, qtype: str, mix: Mapping[str, str] | None = None
+) -> Path:
     """A copy of ``checkpoint`` whose 2-D weights are ``qtype``'s values of them
     (row permutations commute with blocks along rows, so the twin of the
     permuted GGUF tensor is the dequantized unpermuted one)."""
     shutil.copytree(checkpoint, out)
-    kind = GGMLQuantizationType[qtype]
     weights = load_file(str(out / "model.safetensors"))
     for name, value in weights.items():
-        if value.dim() == 2 and not kept_float(name):
+        kind = GGMLQuantizationType[type_of(name, qtype, mix)]
+        if value.dim() == 2 and not kept_float(name) and kind != GGMLQuantizationType.F32:
             held = dequantize(_stored(value.float().numpy(), kind), kind).reshape(value.shape)
             weights[name] = torch.from_numpy(np.ascontiguousarray(held, dtype=np.float32))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def type_of(name: str, qtype: str, mix: Mapping[str, str] | None) -> str:
+    """``mix``'s type for the first of its keys ``name`` contains, else ``qtype``."""
+    return next((kind for part, kind in (mix or {}).items() if part in name), qtype)
 
 
 def kept_float(name: str) -> bool:

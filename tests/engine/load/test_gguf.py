@@ -23,7 +23,9 @@ from metrale.engine.load import gguf_cache, loader
 from metrale.engine.load.convert_once import STAMP
 from metrale.engine.load.gguf_config import GgufError
 from metrale.engine.load.loader import LoadedModel, load_model
+from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.model import Segment
+from metrale.engine.runtime.packed import PackedWeight
 from metrale.lookup import PromptLookupConfig
 from tests.support.checkpoints import write_tiny_checkpoint
 from tests.support.gguf_files import dequantized_twin, write_gguf
@@ -171,6 +173,36 @@ def test_a_block_gguf_generates_what_its_dequantized_twin_generates(
     assert greedy(ours) == greedy(theirs)
     packed = load_model(str(path), RUNTIME)  # the blocks as stored, in the CPU kernel
     assert packed.info.weights == f"packed ({BLOCK_TYPES[qtype]})"
+    assert greedy(packed) == greedy(theirs) == greedy(packed, lookup=True)
+
+
+# Types as llama.cpp's Q4_K_M gives a model whose rows are not all of 256:
+# Q5_0 where Q4_K cannot go, v in Q8_0 (for Q6_K), down in Q4_K or Q6_K.
+Q4_K_M_LIKE = {
+    "v_proj": "Q8_0",
+    "layers.0.mlp.down_proj": "Q4_K",
+    "layers.1.mlp.down_proj": "Q6_K",
+    "embed_tokens": "Q8_0",
+    "lm_head": "Q6_K",
+}
+
+
+def test_a_gguf_of_mixed_types_runs_every_layer_packed_as_its_dequantized_twin(
+    tmp_path: Path,
+) -> None:
+    # q/k in Q5_0 and v in Q8_0 stack as parts, so each layer's four
+    # products stay packed and the whole stack runs in the C layers.
+    source = tiny(tmp_path, wide=True)
+    twin = dequantized_twin(source, tmp_path / "dequantized", "Q5_0", Q4_K_M_LIKE)
+    path = write_gguf(source, tmp_path / "m.gguf", "Q5_0", Q4_K_M_LIKE)
+    packed = load_model(str(path), RUNTIME)
+    assert packed.info.weights == "packed (q4_1, q5_0, q6_k, q8_0)"
+    assert packed.info.gguf_blocks == "Q5_0 x 10, F32 x 5, Q8_0 x 3, Q6_K x 2, Q4_K x 1"
+    model = packed.model
+    assert isinstance(model, LlamaModel) and model.stack.fused is not None
+    qkv = model.stack.blocks[0].qkv
+    assert isinstance(qkv, PackedWeight) and [p.fmt for p in qkv.parts] == ["q5_0", "q8_0"]
+    theirs = load_model(twin, RuntimeConfig(**{**vars(RUNTIME), "weights": "dense"}))
     assert greedy(packed) == greedy(theirs) == greedy(packed, lookup=True)
 
 

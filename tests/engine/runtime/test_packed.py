@@ -138,9 +138,32 @@ def test_stacking_keeps_every_row(kernel: PackedKernel) -> None:
     a, dense_a = packed(kernel, random_weight(8, 64, seed=7), "q4_1")
     b, dense_b = packed(kernel, random_weight(5, 64, seed=8), "q4_1")
     assert torch.equal(PackedWeight.stack([a, b]).dense(), torch.cat([dense_a, dense_b]))
-    c, _ = packed(kernel, random_weight(5, 64, seed=9), "q8_0")
-    with pytest.raises(ValueError, match="one format"):
+    c, _ = packed(kernel, random_weight(5, 96, seed=9), "q8_0")
+    with pytest.raises(ValueError, match="one width"):
         PackedWeight.stack([a, c])
+
+
+def test_weights_in_several_formats_stack_as_parts_that_keep_every_row_s_bits(
+    kernel: PackedKernel,
+) -> None:
+    # A GGUF's q and k in Q5_0 and its v in Q8_0: the two Q5_0 neighbours are
+    # joined, the v stays its own part; each row decodes and multiplies in
+    # its own format, whatever the batch.
+    (q, dense_q), (k, dense_k), (v, dense_v) = (
+        packed(kernel, random_weight(n, 192, seed=20 + n), fmt)
+        for n, fmt in ((72, "q5_0"), (40, "q5_0"), (40, "q8_0"))
+    )
+    qkv = PackedWeight.stack([q, k, v])
+    assert qkv.fmt == "parts" and [p.fmt for p in qkv.parts] == ["q5_0", "q8_0"]
+    assert qkv.shape == (152, 192)
+    assert torch.equal(qkv.dense(), torch.cat([dense_q, dense_k, dense_v]))
+    x = torch.randn(16, 192, generator=torch.Generator().manual_seed(21))
+    whole = qkv.matmul(x)
+    apart = torch.cat([w.matmul(x) for w in (PackedWeight.stack([q, k]), v)], dim=1)
+    assert torch.equal(whole, apart)
+    for rows in (1, 2, 3, 7):
+        assert torch.equal(qkv.matmul(x[:rows]), whole[:rows])
+    assert PackedWeight.stack([qkv, v]).parts[-1].shape == (80, 192)  # v joined to v
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
@@ -235,7 +258,7 @@ def test_packed_and_dense_decode_the_same_tokens(packed_checkpoint: Path) -> Non
     assert outputs["auto", "lookup"] == outputs["auto", "plain"]
 
 
-def test_parts_of_a_fused_weight_in_different_formats_load_dense(
+def test_parts_of_a_fused_weight_in_different_formats_load_as_parts(
     kernel: PackedKernel, tmp_path: Path
 ) -> None:
     path = write_tiny_checkpoint(tmp_path / "mixed", "llama", tie_embeddings=True)
@@ -255,7 +278,8 @@ def test_parts_of_a_fused_weight_in_different_formats_load_dense(
     save_packed(weights, path / PACKED_FILE)
     loaded = load_model(path, RuntimeConfig(device="cpu", dtype="float32", num_slots=1, max_len=32))
     block = loaded.model.stack.blocks[0]  # type: ignore[attr-defined]
-    assert isinstance(block.qkv, torch.Tensor) and isinstance(block.gate_up, PackedWeight)
+    assert isinstance(block.qkv, PackedWeight) and block.qkv.fmt == "parts"
+    assert [p.fmt for p in block.qkv.parts] == ["q4_1", "bf16", "q4_1"]
 
 
 def test_a_packed_file_left_from_other_dense_weights_is_ignored(tmp_path: Path) -> None:
