@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -32,12 +33,14 @@ import torch
 from metrale.engine.load.home import metrale_home
 
 KERNELS = Path(__file__).parent
+# The slowest to compile first: a first build runs them on all cores at once.
 SOURCES = tuple(
     KERNELS / name
     for name in (
+        "packed_rows.c",
+        "packed_rows_bits.c",
         "packed_linear.c",
         "packed_tiles.c",
-        "packed_rows.c",
         "packed_rows512.c",
         "attention.c",
         "layer_ops.c",
@@ -45,8 +48,12 @@ SOURCES = tuple(
     )
 )
 # Included by the sources: hashed with them.
-HEADERS = tuple(KERNELS / name for name in ("packed.h", "packed_columns.h", "vector_math.h"))
+HEADERS = tuple(
+    KERNELS / name for name in ("packed.h", "packed_columns.h", "packed_rows.h", "vector_math.h")
+)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+# What links the objects into the library (the rest of FLAGS compiles them).
+LINK_ONLY = ("-shared",)
 # The packed formats, as packed.h numbers them (runtime/packed.py's LAYOUT
 # gives their bytes; load/gguf_blocks.py which GGUF type becomes which).
 # "parts" is no block format: a weight stacked from parts of several formats,
@@ -396,16 +403,32 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         built = Path(work) / target.name
-        result = subprocess.run(
-            [compiler, *flags, *map(str, SOURCES), "-o", str(built)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
+        _compile(compiler, flags, Path(work))
+        objects = [str(Path(work) / f"{source.stem}.o") for source in SOURCES]
+        _run([compiler, *flags, *objects, "-o", str(built)], compiler)
         built.replace(target)
     return target
+
+
+def _compile(compiler: str, flags: tuple[str, ...], work: Path) -> None:
+    """Each source to its object in ``work``, as many at once as there are
+    cores (a first build waits on the largest source, not on the sum)."""
+    compile_flags = [flag for flag in flags if flag not in LINK_ONLY]
+    commands = [
+        [compiler, *compile_flags, "-c", str(source), "-o", str(work / f"{source.stem}.o")]
+        for source in SOURCES
+    ]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = max(1, min(len(commands), cores or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        for future in [pool.submit(_run, command, compiler) for command in commands]:
+            future.result()
+
+
+def _run(command: list[str], compiler: str) -> None:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
 
 
 def _cpu_id() -> bytes:
