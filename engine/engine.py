@@ -33,6 +33,7 @@ from metrale.engine.config import EngineConfig
 from metrale.engine.kernels.binding import packed_kernel
 from metrale.engine.load.home import metrale_home
 from metrale.engine.runtime.model import Model, MtpModule
+from metrale.engine.sampling import noise_key
 from metrale.engine.sequence import Decode, SeqState, error_result
 from metrale.engine.spec.auto import AutoPolicy
 from metrale.engine.spec.cost import CostCache, CostModel
@@ -266,7 +267,7 @@ class Engine:
                 max_len=self._max_len,
                 eos_ids=self._eos | frozenset(params.eos_token_ids),
                 scope=self._scope_key(request),
-                generator=None if params.greedy else self._path.generator(params.seed),
+                noise_key=noise_key(params),
                 grammar=self._matcher(request.grammar),
                 verify_rows=self._verify_rows,
             )

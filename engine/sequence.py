@@ -11,8 +11,12 @@ Contract (owned by the engine loop, one ``SeqState`` per admitted request):
   ``step/device_verify.py``), so ``decoding`` turns true only after that verify. The history prompt lookup matches against, every token the
   sequence holds including ``last_token``, is therefore just ``history``.
 - ``pending_drafts`` are the drafts the next verify checks after
-  ``last_token``; ``pending_probs`` their distributions when the MTP drafter
-  sampled them (``None`` for greedy drafts and for copies, which are one-hot).
+  ``last_token``: an MTP chain, a copy or a grammar's forced run. Acceptance
+  compares them with the tokens the verify chooses, so how a draft was made
+  never matters to it.
+- ``noise_key`` (sampled requests only) keys every token the sequence draws
+  (``sampling.py``): the token at a position is a function of the key, the
+  position and the distribution there.
 - A sequence never emits past ``max_tokens``, and never feeds a position at
   or beyond ``max_len``: ``draft_capacity`` bounds every verify by both, and
   by ``verify_rows`` when the model can roll back only that wide a verify
@@ -30,8 +34,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import torch
-
 from metrale.engine.api import FinishReason, Request, RequestStats, Result
 from metrale.lookup import PromptLookupSeq, ScopeKey
 
@@ -48,11 +50,10 @@ class SeqState:
     max_len: int  # positions of the slot (the smaller of the model's and the drafter's)
     eos_ids: frozenset[int]
     scope: ScopeKey | None  # the shared-lookup scope; None: neither read nor stored
-    generator: torch.Generator | None  # None for greedy requests
+    noise_key: int | None  # sampling.noise_key; None for greedy requests
     history: list[int] = field(default_factory=list)
     seq_len: int = 0
     pending_drafts: list[int] = field(default_factory=list)
-    pending_probs: torch.Tensor | None = None  # [len(pending_drafts), vocab]
     drafts_declined: bool = False  # the MTP drafter found no draft likely enough
     prompt_lookup: PromptLookupSeq | None = None
     stats: RequestStats = field(default_factory=RequestStats)
@@ -100,8 +101,8 @@ class SeqState:
             most = min(most, self.verify_rows - 1)
         return max(0, most)
 
-    def set_drafts(self, drafts: list[int], probs: torch.Tensor | None) -> None:
-        self.pending_drafts, self.pending_probs = drafts, probs
+    def set_drafts(self, drafts: list[int]) -> None:
+        self.pending_drafts = drafts
 
     def emit(self, token_ids: Sequence[int], decode: Decode | None) -> None:
         """Appends sampled tokens, stopping at the first EOS, at ``max_tokens``

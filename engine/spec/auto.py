@@ -116,13 +116,12 @@ def take_planned_drafts(
         if source == "copy":
             assert lookup is not None
             lookup.cut_in_flight(n)
-            seq.set_drafts(c.copy[:n], None)
+            seq.set_drafts(c.copy[:n])
             took.append(CopyTaken(seq, seq.seq_len + len(seq.forced_drafts)))
         else:
             if c.copy and lookup is not None:
                 lookup.abandon()
-            probs = seq.pending_probs
-            seq.set_drafts(c.chain[:n], probs[:n] if probs is not None and n else None)
+            seq.set_drafts(c.chain[:n])
         offers.append(Offer(seq, source, n, c.chain, c.copy, c.agreement))
     return took, offers
 

@@ -15,22 +15,19 @@ a grammar (``seq.grammar``). In step order:
 2. ``check_drafts`` (before the verify): the drafts become ``forced + (copy or
    MTP chain)``; the matcher walks through them to give each verify row its
    mask, and the first draft the grammar forbids cuts the rest
-   (``seq.masks``). A sampled MTP draft's own distribution is masked and
-   renormalised the same way.
-3. ``accept_constrained`` (in the verify): greedy compares each draft with the
-   argmax under its row's mask; sampling runs speculative sampling against
-   the masked, renormalised target. Forced drafts are the only token their
-   row allows, so both rules accept them always.
+   (``seq.masks``).
+3. ``accept_constrained`` (in the verify): each row chooses its token under
+   its mask (greedy: the masked argmax; sampled: drawn from the masked,
+   renormalised target with the request's key at the row's position), and
+   ``accept_drafts`` keeps the drafts equal to them. A forced draft is the
+   only token its row allows, so it is always the chosen one.
 4. ``GrammarMatcher.advance`` with the emitted tokens only.
 
 Why the output stays exactly plain constrained decoding: every emitted token
 is chosen from a row whose mask is the mask at the state of the tokens before
-it, by the rules ``acceptance.py`` proves lossless, now over the masked
-distributions. A draft drawn from ``q`` that the grammar allows is, given
-that, distributed as ``q`` masked and renormalised, which is what the accept
-test uses; a forbidden one is cut and its row's token is drawn afresh from
-the masked target. Choosing between a copy and the MTP chain looks only at
-the chain's length before any grammar cut, never at which drafts were drawn.
+it, as a function of that masked distribution, the key and the position
+alone (``acceptance.py``), so the drafts decide only how many rows a verify
+settles.
 """
 
 from __future__ import annotations
@@ -40,9 +37,9 @@ from collections.abc import Sequence
 
 import torch
 
-from metrale.engine.sampling import draw, target_probs
+from metrale.engine.sampling import sample_at, target_probs
 from metrale.engine.sequence import SeqState
-from metrale.engine.spec.acceptance import accept_sampled
+from metrale.engine.spec.acceptance import accept_drafts
 from metrale.engine.spec.grammar import GrammarError
 from metrale.engine.spec.matcher import RowMasks
 
@@ -61,13 +58,13 @@ def take_forced(seq: SeqState, enabled: bool) -> None:
     if not forced:
         return
     seq.forced_drafts = forced
-    chain, probs, m = seq.pending_drafts, seq.pending_probs, len(forced)
+    chain, m = seq.pending_drafts, len(forced)
     if chain[:m] == forced and len(chain) > m:
-        seq.set_drafts(chain[m:], probs[m:] if probs is not None else None)
+        seq.set_drafts(chain[m:])
     else:
         # Like a drafter that declined: a copy may stand after the forced run.
         seq.drafts_declined = seq.drafts_declined or bool(chain)
-        seq.set_drafts([], None)
+        seq.set_drafts([])
 
 
 def allowed_copy(seq: SeqState, copy: list[int]) -> list[int]:
@@ -84,7 +81,7 @@ def check_drafts(seq: SeqState) -> None:
     first forbidden draft, with one mask per verify row (module doc)."""
     grammar = seq.grammar
     assert grammar is not None, "only a constrained sequence is checked"
-    forced, rest, probs = seq.forced_drafts, seq.pending_drafts, seq.pending_probs
+    forced, rest = seq.forced_drafts, seq.pending_drafts
     masks, kept = grammar.row_masks([*forced, *rest])
     began = time.perf_counter()
     m = len(forced)
@@ -99,29 +96,9 @@ def check_drafts(seq: SeqState) -> None:
             lookup.cut_in_flight(len(tail))
         else:
             lookup.abandon()
-    seq.set_drafts([*forced, *tail], _draft_probs(forced, probs, masks, len(tail)))
+    seq.set_drafts([*forced, *tail])
     seq.masks = masks
     grammar.spent_s += time.perf_counter() - began
-
-
-def _draft_probs(
-    forced: list[int],
-    probs: torch.Tensor | None,  # [>= num_tail, vocab] the MTP chain's q, or None
-    masks: RowMasks,
-    num_tail: int,
-) -> torch.Tensor | None:  # [num_forced + num_tail, vocab], or None: every draft one-hot
-    """Forced drafts are one-hot; sampled MTP drafts keep ``q`` masked by their
-    row and renormalised (the draw that chose them, given that they are allowed)."""
-    if probs is None or num_tail == 0:
-        return None
-    m = len(forced)
-    q = probs[:num_tail].to(dtype=torch.float32)
-    q = q * masks.rows(m, m + num_tail).to(q.device)  # [num_tail, vocab]
-    q = q / q.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
-    one_hot = torch.zeros((m, q.shape[-1]), dtype=q.dtype, device=q.device)  # [m, vocab]
-    if m:
-        one_hot[torch.arange(m), torch.tensor(forced)] = 1.0
-    return torch.cat([one_hot, q])
 
 
 def accept_constrained(
@@ -135,7 +112,8 @@ def accept_constrained(
     began = time.perf_counter()
     try:
         drafts = seq.pending_drafts
-        if seq.request.params.greedy:
+        if seq.noise_key is None:
+            # Greedy: a row's masked argmax is needed only up to the first miss.
             for row in range(len(drafts) + 1):
                 target = masked_argmax(logits[row], masks, row, argmax[row])
                 if row == len(drafts) or drafts[row] != target:
@@ -144,9 +122,11 @@ def accept_constrained(
         allowed = masks.rows().to(logits.device)  # [num_rows, vocab]
         _require_some(masks, range(masks.num_rows))
         masked = logits.masked_fill(~allowed, float("-inf"))  # [num_rows, vocab]
-        assert seq.generator is not None
         probs = target_probs(masked, seq.request.params)  # [num_rows, vocab]
-        return accept_sampled(drafts, seq.pending_probs, probs, seq.generator)
+        # Row r draws the token at position len(history) + r.
+        first, rows = len(seq.history), probs.shape[0]
+        chosen = sample_at(probs, [seq.noise_key] * rows, range(first, first + rows))
+        return accept_drafts(drafts, chosen)
     finally:
         seq.masks = None
         grammar.spent_s += time.perf_counter() - began
@@ -159,15 +139,14 @@ def first_token(seq: SeqState, logits: torch.Tensor) -> int:  # logits: [vocab]
     masks, _ = grammar.row_masks([])
     began = time.perf_counter()
     try:
-        if seq.request.params.greedy:
+        if seq.noise_key is None:
             return masked_argmax(logits, masks, 0, int(logits.argmax()))
         _require_some(masks, [0])
         allowed = masks.rows().to(logits.device)  # [1, vocab]
         probs = target_probs(
             logits[None, :].masked_fill(~allowed, float("-inf")), seq.request.params
         )
-        assert seq.generator is not None
-        return draw(probs[0], seq.generator)
+        return sample_at(probs, [seq.noise_key], [len(seq.history)])[0]
     finally:
         grammar.spent_s += time.perf_counter() - began
 

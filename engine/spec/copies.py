@@ -110,7 +110,7 @@ def take_rounds_with_copies(
             assert seq.prompt_lookup is not None
             seq.prompt_lookup.abandon()
             continue
-        seq.set_drafts(copy, None)
+        seq.set_drafts(copy)
         took.append(CopyTaken(seq, seq.seq_len + len(seq.forced_drafts)))
     return took
 

@@ -40,16 +40,19 @@ tokens, and vLLM's ``MultiLayerEagleProposer``, which runs the layers in
 order, sets ``num_speculative_tokens`` to the number of layers. A module
 reused at a depth it was not trained for is rarely right.
 
-Confidence: a greedy chain stops at the first position where the module's
-softmax has no token of probability ``min_prob`` or more. Each draft costs a
-verify row and each further position a module forward, and an unsure draft
-is rarely accepted. A sampled chain is judged at its first position only
-(the distribution it draws from there), never at a later one: a later
-position's distribution depends on the drafts drawn before it, so stopping
-there would make the chain's length depend on those draws, and the copy
-step, which keeps MTP drafts only when a copy is shorter than the chain,
-would then keep a biased first draft. Judged before any draw, the choice
-leaves speculative sampling exact. A sequence left without drafts this way
+Sampled drafts: a sampled request's draft at a position is drawn from the
+module's distribution, shaped like the target (temperature, top-k, top-p),
+with the request's noise key at that position (``sampling.sample_rows``):
+the same noise the verify draws the target's token with, so the draft is
+that token wherever the module's distribution is close to the model's.
+
+Confidence: a chain stops at the first position where the module's
+probability of its draft is below ``min_prob`` (greedy: its top
+probability; sampled: that of the drawn token under the shaped
+distribution). Each draft costs a verify row and each further position a
+module forward, and an unsure draft is rarely accepted. Where a chain stops
+never matters to the output: acceptance compares drafts with the tokens the
+verify chooses, whatever made them. A sequence left without drafts this way
 is marked ``drafts_declined``: it may take a prompt-lookup copy as a model
 without MTP would (chain 0).
 """
@@ -63,7 +66,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from metrale.engine.runtime.model import MtpModule, Segment
-from metrale.engine.sampling import draw, target_probs
+from metrale.engine.sampling import sample_at, target_probs
 from metrale.engine.sequence import SeqState
 
 if TYPE_CHECKING:
@@ -122,22 +125,20 @@ class MtpDrafter:
         hidden: torch.Tensor,  # [sum of len(next_ids), hidden_size] main pre-norm hidden, feed order
     ) -> None:
         """Feeds every ``feed`` (one forward per module and further chain
-        position); sets the drafts (and, for sampled requests, their
-        distributions) of each feed's sequence that asked for drafts, and
-        clears them for the others."""
+        position); sets the drafts of each feed's sequence that asked for
+        drafts, and clears them for the others."""
         if not feeds:
             return
         drafts: list[list[int]] = [[] for _ in feeds]
-        probs: list[list[torch.Tensor]] = [[] for _ in feeds]
         if self.budget is not None:
             for feed in feeds:
                 self.budget.start_chain(feed.seq)
         if len(self.modules) == 1:
-            self._chain(feeds, hidden, drafts, probs)
+            self._chain(feeds, hidden, drafts)
         else:
-            self._stack(feeds, hidden, drafts, probs)
+            self._stack(feeds, hidden, drafts)
         for i, feed in enumerate(feeds):
-            feed.seq.set_drafts(drafts[i], torch.stack(probs[i]) if probs[i] else None)
+            feed.seq.set_drafts(drafts[i])
             feed.seq.drafts_declined = feed.num_drafts > 0 and not drafts[i]
 
     def _chain(
@@ -145,7 +146,6 @@ class MtpDrafter:
         feeds: Sequence[DraftFeed],
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         drafts: list[list[int]],
-        probs: list[list[torch.Tensor]],
     ) -> None:
         """The lone module: fed, then applied to its own output per draft."""
         module = self.modules[0]
@@ -161,7 +161,7 @@ class MtpDrafter:
         chain_hidden = out.hidden[ends[index].to(out.hidden.device)]  # [num_live, hidden_size]
         depth = 0
         while live:
-            self._choose(feeds, live, logits, depth, drafts, probs)
+            self._choose(feeds, live, logits, depth, drafts)
             depth += 1
             keep = [
                 k
@@ -187,7 +187,6 @@ class MtpDrafter:
         feeds: Sequence[DraftFeed],
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         drafts: list[list[int]],
-        probs: list[list[torch.Tensor]],
     ) -> None:
         """Every module in order, each over its final rows and, for a feed
         still drafting, the rows that read the drafts so far."""
@@ -226,7 +225,7 @@ class MtpDrafter:
             if live:
                 index = torch.tensor(live, device=out.logits.device)
                 logits = out.logits[index]  # [num_live, vocab]
-                self._choose(feeds, [fed[n] for n in live], logits, depth, drafts, probs)
+                self._choose(feeds, [fed[n] for n in live], logits, depth, drafts)
 
     def _handed_on(
         self,
@@ -270,29 +269,48 @@ class MtpDrafter:
         logits: torch.Tensor,  # [len(live), vocab] each live feed's next draft position
         depth: int,
         drafts: list[list[int]],
-        probs: list[list[torch.Tensor]],
     ) -> None:
         """Appends each live feed's draft at ``depth``, unless the confidence
         rule (module doc) holds it back; with a budget, always, telling it the
-        draft's confidence where that may be used."""
+        draft's confidence."""
         budget = self.budget
         argmax, top, sure = self._greedy_reads(logits, gate=budget is None)  # [num_live] each
+        sampled = [k for k, i in enumerate(live) if feeds[i].seq.noise_key is not None]
+        drawn = self._sampled(feeds, live, logits, sampled, depth)
+        for k, (draft, confidence) in zip(sampled, drawn, strict=True):
+            argmax[k], top[k] = draft, confidence
+            sure[k] = budget is not None or confidence >= self.min_prob
         for k, i in enumerate(live):
-            seq = feeds[i].seq
-            if seq.request.params.greedy:
-                if sure[k]:
-                    drafts[i].append(argmax[k])
-                    if budget is not None:
-                        budget.drafted(seq, depth, top[k])
-                continue
-            q = target_probs(logits[k][None, :], seq.request.params)[0]  # [vocab]
-            if budget is not None:
-                # Only the first position's confidence is known before any draw.
-                budget.drafted(seq, depth, float(q.max()) if depth == 0 else None)
-            elif depth == 0 and self.min_prob > 0.0 and float(q.max()) < self.min_prob:
-                continue
-            drafts[i].append(_draw(seq, q))
-            probs[i].append(q)
+            if sure[k]:
+                drafts[i].append(argmax[k])
+                if budget is not None:
+                    budget.drafted(feeds[i].seq, depth, top[k])
+
+    @staticmethod
+    def _sampled(
+        feeds: Sequence[DraftFeed],
+        live: list[int],
+        logits: torch.Tensor,  # [len(live), vocab]
+        sampled: list[int],  # the rows of ``logits`` whose sequence samples
+        depth: int,
+    ) -> list[tuple[int, float]]:
+        """Each sampled row's draft, drawn from the module's shaped
+        distribution with its request's key (the draft at ``depth`` is the
+        token at position ``end + 1 + depth``), and its probability there."""
+        if not sampled:
+            return []
+        seqs = [feeds[live[k]].seq for k in sampled]
+        q = torch.cat(
+            [
+                target_probs(logits[k][None, :], s.request.params)
+                for k, s in zip(sampled, seqs, strict=True)
+            ]
+        )  # [num_sampled, vocab]
+        keys = [s.noise_key for s in seqs if s.noise_key is not None]
+        positions = [feeds[live[k]].end + 1 + depth for k in sampled]
+        drawn = sample_at(q, keys, positions)
+        confidence = q[torch.arange(len(drawn)), torch.tensor(drawn)].tolist()
+        return list(zip(drawn, confidence, strict=True))
 
     def _deeper(self, seq: SeqState, depth: int, live: int) -> bool:
         """Whether a chain still drafting goes on to ``depth`` (always, without
@@ -333,10 +351,3 @@ def _rows_at(feed: DraftFeed, cap: int, depth: int, drafts: list[int]) -> tuple[
     if _drafts_on(cap, depth, drafts):
         tokens += drafts[max(0, depth - feed.end) :]
     return max(0, feed.start - depth), tokens
-
-
-def _draw(seq: SeqState, q: torch.Tensor) -> int:
-    """A sampled request draws its draft from the module's distribution shaped
-    like the target (temperature, top-k, top-p), kept as ``q``."""
-    assert seq.generator is not None, "a sampled request carries its generator"
-    return draw(q, seq.generator)

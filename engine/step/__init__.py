@@ -17,8 +17,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
 from metrale.engine.api import Request
 from metrale.engine.sequence import SeqState
 
@@ -76,10 +74,6 @@ class Step(Protocol):
         """Prefills one chunk and runs one verify over the decoding sequences;
         returns the sequences whose prefill finished them (the engine's finish
         phase collects the decoding ones that finished)."""
-        ...
-
-    def generator(self, seed: int | None) -> torch.Generator:
-        """A sampled request's generator, on the device this path draws on."""
         ...
 
     def rejection(self, request: Request) -> str | None:

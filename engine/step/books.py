@@ -57,7 +57,7 @@ class Books:
         before = len(seq.history)
         seq.emit(emitted, self.decode)
         seq.seq_len += accepted + 1
-        seq.set_drafts([], None)
+        seq.set_drafts([])
         seq.stats.verifies += 1
         seq.stats.verify_tokens += accepted + 1
         counters.seq_verifies += 1
@@ -110,10 +110,9 @@ def constrain(batch: Iterable[SeqState], phase: Callable[[SeqState], None]) -> N
 
 
 def truncate_drafts(seq: SeqState, keep: int) -> None:
-    """Cuts a sequence's drafts (and their distributions) to ``keep``."""
+    """Cuts a sequence's drafts to ``keep``."""
     if len(seq.pending_drafts) > keep:
-        probs = seq.pending_probs[:keep] if seq.pending_probs is not None else None
-        seq.set_drafts(seq.pending_drafts[:keep], probs if keep else None)
+        seq.set_drafts(seq.pending_drafts[:keep])
 
 
 def prompt_chunk(

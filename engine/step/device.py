@@ -26,7 +26,6 @@ import torch
 
 from metrale.engine.api import Request
 from metrale.engine.runtime.model import Segment
-from metrale.engine.sampling import make_generator
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.copies import settle_copies
 from metrale.engine.step import Queues, StepTimes
@@ -59,9 +58,6 @@ class DeviceStep:
             queues.decoding.append(seq)
         else:
             queues.prefilling.append(seq)
-
-    def generator(self, seed: int | None) -> torch.Generator:
-        return make_generator(seed, self.model.device)
 
     def rejection(self, request: Request) -> str | None:
         if request.grammar is not None:
@@ -119,9 +115,8 @@ class DeviceStep:
                 slot=seq.slot,
                 start=seq.seq_len,
                 tokens=[seq.last_token, *seq.pending_drafts],
-                drafts_q=seq.pending_probs is not None,
                 params=seq.request.params,
-                generator=seq.generator,
+                key=seq.noise_key or 0,
                 chain=chain,
             )
             for seq in batch
@@ -138,7 +133,5 @@ class DeviceStep:
             # No chain this time (none sure enough): a copy may stand in, as on the host.
             seq.drafts_declined = chain > 0 and not out.drafts
             if not seq.finished and out.drafts:
-                sampled = not seq.request.params.greedy
-                probs = self.device.draft_probs(seq.slot, len(out.drafts)) if sampled else None
-                seq.set_drafts(out.drafts, probs)
+                seq.set_drafts(out.drafts)
                 self.policy.chain_drafted(seq, out.drafts)

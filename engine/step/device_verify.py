@@ -5,16 +5,15 @@ Contract: ``DeviceVerify.run(rows)`` takes each decoding sequence's verify row
 model's device and with no host read in between: one non-blocking upload of
 every input from a pinned buffer; the static forward of slots ``0..B-1`` at
 width ``W`` (``runtime/static_step.py``; a CUDA graph per shape on CUDA);
-acceptance as tensor ops (greedy: argmax and prefix compare; sampled:
-speculative sampling with the requests' own device generators,
-``spec/device_accept.py``); the MTP feed of every verified row and a chain
-of ``depth`` drafts from each slot's last final row (greedy: argmax under
-the ``min_prob`` mask; sampled: drawn from the module's shaped distribution,
-judged at the first position only, as ``spec/mtp.py`` explains); then one
-readback of accepted counts, emitted tokens and the next drafts. The host
-does the rest: stop strings, finish, prompt lookup and copies, and the next
-step's inputs. A copy is a one-hot draft; an MTP draft's distribution stays
-on the device, per slot, for the next step's sampled acceptance.
+each row's chosen token (greedy: the argmax; sampled: drawn from the
+target with the request's noise key at the row's position) and acceptance as
+tensor ops (``spec/device_accept.py``); the MTP feed of every verified row
+and a chain of ``depth`` drafts from each slot's last final row (greedy: the
+argmax; sampled: drawn from the module's shaped distribution with the same
+key at the draft's position; either stops where the module's probability of
+its draft is below ``min_prob``); then one readback of accepted counts,
+emitted tokens and the next drafts. The host does the rest: stop strings,
+finish, prompt lookup and copies, and the next step's inputs.
 
 Slots: the batch is slots ``0..B-1`` for the smallest bucket ``B`` holding
 every decoding slot, so the engine hands out the lowest free slot; a slot
@@ -60,10 +59,8 @@ from metrale.engine.runtime.static_step import (
 from metrale.engine.runtime.syncs import host_buffer, readback
 from metrale.engine.spec.device_accept import (
     DeviceAccepted,
-    accept_greedy_rows,
-    accept_sampled_rows,
-    draw_rows,
-    request_uniforms,
+    accept_rows,
+    choose_rows,
     target_probs_rows,
 )
 
@@ -155,18 +152,15 @@ class StaticModule(Protocol):
 class VerifyRow:
     """One decoding sequence's part of a step (see module doc).
 
-    ``drafts_q``: the drafts are the MTP chain's own sampled drafts, whose
-    distributions the device step holds (False: greedy, or a copy).
-    ``generator``: the request's generator on the device (sampled only).
+    ``key``: the request's noise key (``sampling.noise_key``; 0 when greedy).
     ``chain``: drafts to chain for the next step.
     """
 
     slot: int
     start: int
     tokens: Sequence[int]
-    drafts_q: bool
     params: SamplingParams
-    generator: torch.Generator | None
+    key: int
     chain: int
 
 
@@ -226,8 +220,6 @@ class DeviceVerify:
         self._down = host_buffer(
             (num_slots * (MAX_WIDTH + self.max_depth + 2),), torch.int64, self.device
         )
-        # The chain's sampled drafts' distributions per slot: [slots, depth, vocab].
-        self._q: torch.Tensor | None = None
 
     def graph_shapes(self) -> list[tuple[Any, ...]]:
         """``(role, batch, width, ctx)`` of each captured graph (none off CUDA)."""
@@ -239,11 +231,6 @@ class DeviceVerify:
         if self.module is not None:
             self.module.forward(segments, hidden, logits="last")
 
-    def draft_probs(self, slot: int, count: int) -> torch.Tensor:
-        """The device rows of a slot's sampled drafts (``SeqState.pending_probs``)."""
-        assert self._q is not None, "only sampled chains keep distributions"
-        return self._q[slot, :count]
-
     @torch.inference_mode()
     def run(self, rows: Sequence[VerifyRow]) -> list[VerifyOut]:
         """One step over ``rows`` (module doc); results in ``rows`` order."""
@@ -254,34 +241,26 @@ class DeviceVerify:
         ctx = ctx_bucket(needed, self._cache_len)
         sampled = any(not r.params.greedy for r in rows)
         inputs = self._upload(rows, batch, width)
-        tokens, starts, widths, one_hot, chain, top_k, temperature, top_p = inputs
+        tokens, starts, widths, keys, chain, top_k, temperature, top_p = inputs
         logits, hidden = self.static.forward(tokens, starts, ctx)
         # logits: [B * W, vocab]; hidden: [B * W, hidden]
         sampling = None
         if sampled:
-            by_slot: list[torch.Generator | None] = [None] * batch
-            for r in rows:
-                by_slot[r.slot] = r.generator
-            # A fixed layout per request and step, whatever the batch's width
-            # and depth: accept tests, the emitted token's draw, the chain's draws.
-            uniforms = request_uniforms(by_slot, MAX_WIDTH + self.max_depth, self.device)
             cuts = any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows)
-            sampling = _Sampling((temperature, top_k, top_p), cuts, uniforms[:, MAX_WIDTH:])
+            sampling = _Sampling((temperature, top_k, top_p), cuts, keys)
             # Each slot's parameters on its W rows (expand: no host read for the size).
-            temps, ks, ps = (p[:, None].expand(batch, width).reshape(-1) for p in sampling.params)
-            target = target_probs_rows(logits, temps, ks, ps, cuts=cuts)
-            accepted = accept_sampled_rows(
-                tokens,
-                widths,
-                self._verify_q(batch, width),
-                one_hot,
-                target.view(batch, width, -1),
-                uniforms[:, : width - 1],
-                uniforms[:, MAX_WIDTH - 1],
+            temps, ks, ps, row_keys = (
+                p[:, None].expand(batch, width).reshape(-1)
+                for p in (*sampling.params, sampling.keys)
             )
+            target = target_probs_rows(logits, temps, ks, ps, cuts=cuts)
+            # Row r of a slot chooses the token at position start + r + 1.
+            offsets = torch.arange(1, width + 1, device=self.device)  # [W]
+            positions = (starts[:, None] + offsets).reshape(-1)  # [B * W]
+            chosen = choose_rows(target, row_keys, positions).view(batch, width)
         else:
-            argmax = logits.argmax(dim=-1).view(batch, width)
-            accepted = accept_greedy_rows(tokens, widths, argmax)
+            chosen = logits.argmax(dim=-1).view(batch, width)
+        accepted = accept_rows(tokens, widths, chosen)
         out = [accepted.accepted, accepted.emitted.reshape(-1)]
         if depth > 0:
             drafts, counts = self._chain(accepted, hidden, starts, chain, ctx, depth, sampling)
@@ -292,9 +271,9 @@ class DeviceVerify:
 
     def _upload(self, rows: Sequence[VerifyRow], batch: int, width: int) -> list[torch.Tensor]:
         """Writes every input into the pinned buffer and sends it in one copy:
-        ``tokens [B, W]``, then per slot ``start, width, one_hot, chain,
-        top_k`` and, as float64 bits, ``temperature, top_p``. A slot with no
-        row starts in the headroom, at width 0."""
+        ``tokens [B, W]``, then per slot ``start, width, key, chain, top_k``
+        and, as float64 bits, ``temperature, top_p``. A slot with no row
+        starts in the headroom, at width 0."""
         size = batch * (width + 7)
         host = self._up[:size]
         # Written through numpy: a tensor __setitem__ a field costs microseconds.
@@ -307,7 +286,7 @@ class DeviceVerify:
         floats[1] = 1.0
         for r in rows:
             grid[r.slot, : len(r.tokens)] = r.tokens
-            fields[:5, r.slot] = (r.start, len(r.tokens), not r.drafts_q, r.chain, r.params.top_k)
+            fields[:5, r.slot] = (r.start, len(r.tokens), r.key, r.chain, r.params.top_k)
             floats[:, r.slot] = (r.params.temperature, r.params.top_p)
         # Safe to rewrite next step: every step ends in an event sync on this
         # stream, after this copy. On the CPU a copy too, so that nothing the
@@ -320,23 +299,12 @@ class DeviceVerify:
             tokens,
             words[0],
             words[1],
-            words[2].bool(),
+            words[2],
             words[3],
             words[4],
             real[0],
             real[1],
         ]
-
-    def _verify_q(self, batch: int, width: int) -> torch.Tensor | None:
-        """``[B, W-1, vocab]``: each slot's MTP draft distributions, in the
-        columns its chain filled (the rest is never read: a slot whose
-        drafts are not the chain's is one-hot)."""
-        if self._q is None or width == 1:
-            return None
-        q = self._q[:batch, : width - 1]
-        if q.shape[1] < width - 1:
-            q = torch.nn.functional.pad(q, (0, 0, 0, width - 1 - q.shape[1]))
-        return q
 
     def _chain(
         self,
@@ -371,7 +339,8 @@ class DeviceVerify:
         last = self._cache_len - 1
         drafts, sure = [], []
         for k in range(depth):
-            draft, keep = self._draft(logits, k, sampling)
+            # Draft k is the token at position + 1 + k.
+            draft, keep = self._draft(logits, position + 1 + k, sampling)
             drafts.append(draft)
             sure.append(keep)
             if k + 1 == depth:
@@ -391,35 +360,33 @@ class DeviceVerify:
     def _draft(
         self,
         logits: torch.Tensor,  # [B, vocab] the module's logits at one chain position
-        k: int,
+        positions: torch.Tensor,  # [B] the position of the token each slot drafts
         sampling: _Sampling | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # draft [B], sure [B] bool
-        """One chain position's draft and whether the chain may keep it: a
-        greedy draft while the module's top probability reaches ``min_prob``;
-        a sampled one by its first position's alone."""
+        """One chain position's draft and whether the chain may keep it: while
+        the module's probability of its draft reaches ``min_prob`` (greedy:
+        its top probability; sampled: of the drawn token, under the shaped
+        distribution it was drawn from, with the target's key)."""
+        probs = logits.softmax(dim=-1)  # [B, vocab]
         if sampling is None:
-            top = logits.softmax(dim=-1).amax(dim=-1)
-            return logits.argmax(dim=-1), top >= self.min_prob
-        # [B, vocab]; greedy slots one-hot
+            return logits.argmax(dim=-1), probs.amax(dim=-1) >= self.min_prob
         temperature, top_k, top_p = sampling.params
+        # [B, vocab]; greedy slots one-hot, so their draft is the argmax
         q = target_probs_rows(logits, temperature, top_k, top_p, cuts=sampling.cuts)
-        if self._q is None:
-            self._q = q.new_zeros(self.num_slots, self.max_depth, q.shape[1])
-        self._q[: q.shape[0], k] = q
-        greedy = sampling.params[0] == 0
-        top = q.amax(dim=-1) if k == 0 else torch.ones_like(q[:, 0])
-        sure = torch.where(greedy, logits.softmax(dim=-1).amax(dim=-1), top) >= self.min_prob
-        return draw_rows(q, sampling.draft_u[:, k]), sure
+        draft = choose_rows(q, sampling.keys, positions)  # [B]
+        drawn = q.gather(1, draft[:, None])[:, 0]  # [B]
+        confidence = torch.where(temperature == 0, probs.amax(dim=-1), drawn)
+        return draft, confidence >= self.min_prob
 
 
 @dataclass(frozen=True)
 class _Sampling:
     """A sampled batch's per-slot ``(temperature, top_k, top_p)``, whether
-    any row cuts by top-k or top-p, and the chain's uniforms ``[B, depth]``."""
+    any row cuts by top-k or top-p, and each slot's noise key ``[B]``."""
 
     params: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     cuts: bool
-    draft_u: torch.Tensor
+    keys: torch.Tensor
 
 
 def _unpack(

@@ -10,15 +10,16 @@ Contract: ``HostStep.run`` reads top to bottom as the step's phases:
    sequence's drafts (a copy, a prefix of the chain, or none); every draft
    is checked against the sequence's grammar;
 3. verify every decoding sequence's ``[last_token] + drafts`` in one
-   forward, accept the longest prefix the model agrees with (greedy: its
-   argmax; sampled: speculative sampling) and emit it with the bonus token;
+   forward, choose each row's token (greedy: the argmax; sampled: drawn with
+   the request's noise key at the row's position), keep the longest prefix
+   of drafts equal to them and emit it with the bonus token;
 4. settle the copies from each sequence's ``seq_len`` advance and tell the
    policy what the verify did;
 5. feed the MTP head every position the verify made final and draft the
    next chain (the policy may hold a resting chain's rows back).
 
-Output never depends on the drafts: greedy output is plain decoding token
-for token, sampled output is plain sampling in distribution.
+Output never depends on the drafts: greedy and sampled output alike are
+plain decoding's token for token (``spec/acceptance.py``).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import torch
 
 from metrale.engine.api import Request
 from metrale.engine.runtime.model import Segment
-from metrale.engine.sampling import draw, make_generator, target_probs
+from metrale.engine.sampling import sample_at, target_probs
 from metrale.engine.sequence import SeqState
-from metrale.engine.spec.acceptance import accept_greedy, accept_sampled
+from metrale.engine.spec.acceptance import accept_drafts
 from metrale.engine.spec.constrained import (
     accept_constrained,
     check_drafts,
@@ -54,9 +55,6 @@ class HostStep:
 
     def admit(self, seq: SeqState, queues: Queues) -> None:
         queues.prefilling.append(seq)
-
-    def generator(self, seed: int | None) -> torch.Generator:
-        return make_generator(seed, "cpu")
 
     def rejection(self, request: Request) -> str | None:
         return None
@@ -96,6 +94,7 @@ class HostStep:
         feeds: list[DraftFeed] = []
         parts: list[torch.Tensor] = []  # the feeds' hidden rows, in order
         done: list[SeqState] = []
+        firsts = _first_tokens(chunked, segments, out.logits)
         at = 0
         for row, (seq, seg) in enumerate(zip(chunked, segments, strict=True)):
             start, fed = seq.seq_len, len(seg.token_ids)
@@ -103,7 +102,7 @@ class HostStep:
             complete = seq.seq_len == seq.prompt_len
             if complete:
                 queues.prefilling.remove(seq)
-                self._emit_first(seq, out.logits[row])
+                self._emit_first(seq, firsts[row])
                 (done if seq.finished else queues.decoding).append(seq)
             if self.drafter is not None and not seq.finished:
                 # Position p gets token p+1: the next prompt token, or the
@@ -121,14 +120,13 @@ class HostStep:
         times.prefill_s = self.policy.clock() - began
         return done
 
-    def _emit_first(self, seq: SeqState, logits: torch.Tensor) -> None:  # logits: [vocab]
-        """The token the prefill samples after the prompt."""
-        try:
-            token = _sample_one(seq, logits)
-        except GrammarError as exc:
-            seq.fail(str(exc))
+    def _emit_first(self, seq: SeqState, first: int | GrammarError) -> None:
+        """The token the prefill chose after the prompt (a grammar that could
+        not choose one fails the sequence)."""
+        if isinstance(first, GrammarError):
+            seq.fail(str(first))
             return
-        self.books.emit_first(seq, token)
+        self.books.emit_first(seq, first)
 
     def _verify(self, batch: list[SeqState], times: StepTimes) -> tuple[torch.Tensor, list[int]]:
         """One forward over every sequence's ``[last_token] + drafts``; emits
@@ -143,14 +141,17 @@ class HostStep:
         times.verify_s, times.verify_rows = self.policy.clock() - began, len(argmax)
         times.produced = {}
         self.books.counters.verifies += 1
-        first_rows, row = [], 0
-        for seq in batch:
-            drafts, num_rows = seq.pending_drafts, len(seq.pending_drafts) + 1
-            first_rows.append(row)
-            rows = slice(row, row + num_rows)
-            row += num_rows
+        sizes = [len(s.pending_drafts) + 1 for s in batch]
+        first_rows = [sum(sizes[:i]) for i in range(len(batch))]
+        chosen = _choose(batch, out.logits, argmax, first_rows)
+        for seq, first, own in zip(batch, first_rows, chosen, strict=True):
+            drafts = seq.pending_drafts
+            rows = slice(first, first + len(drafts) + 1)
             try:
-                accepted, bonus = _accept(seq, out.logits[rows], argmax[rows])
+                if own is None:
+                    accepted, bonus = accept_constrained(seq, out.logits[rows], argmax[rows])
+                else:
+                    accepted, bonus = accept_drafts(drafts, own)
             except GrammarError as exc:
                 seq.fail(str(exc))
                 continue
@@ -196,25 +197,62 @@ class HostStep:
         self.policy.head_ran(feeds, self.drafter.forwards - forwards, took)
 
 
-def _accept(
-    seq: SeqState,
-    logits: torch.Tensor,  # [num_drafts + 1, vocab] the sequence's verify rows
-    argmax: list[int],  # [num_drafts + 1]
-) -> tuple[int, int]:
-    """``(accepted drafts, bonus token)`` of one sequence's verify rows."""
-    if seq.grammar is not None:
-        return accept_constrained(seq, logits, argmax)
-    if seq.request.params.greedy:
-        return accept_greedy(seq.pending_drafts, argmax)
-    assert seq.generator is not None
-    target = target_probs(logits, seq.request.params)
-    return accept_sampled(seq.pending_drafts, seq.pending_probs, target, seq.generator)
+def _choose(
+    batch: list[SeqState],
+    logits: torch.Tensor,  # [num_rows, vocab] the verify's rows, batch order
+    argmax: list[int],  # [num_rows]
+    first_rows: list[int],  # each sequence's first row
+) -> list[list[int] | None]:
+    """Each sequence's chosen token per row (``spec/acceptance.py``): the
+    argmax when greedy; drawn with its noise key when sampled, every
+    sampled row of the batch in one call; None under a grammar, whose rows
+    are chosen under their masks (``accept_constrained``). A sequence's row
+    ``r`` chooses the token at position ``len(history) + r``."""
+    chosen: list[list[int] | None] = []
+    sampled: list[tuple[int, int]] = []  # (index in batch, rows)
+    parts: list[torch.Tensor] = []
+    keys: list[int] = []
+    positions: list[int] = []
+    for i, (seq, first) in enumerate(zip(batch, first_rows, strict=True)):
+        rows = len(seq.pending_drafts) + 1
+        chosen.append(argmax[first : first + rows] if seq.grammar is None else None)
+        if seq.grammar is None and seq.noise_key is not None:
+            sampled.append((i, rows))
+            parts.append(target_probs(logits[first : first + rows], seq.request.params))
+            keys += [seq.noise_key] * rows
+            positions += range(len(seq.history), len(seq.history) + rows)
+    if parts:
+        drawn = sample_at(torch.cat(parts), keys, positions)
+        at = 0
+        for i, rows in sampled:
+            chosen[i], at = drawn[at : at + rows], at + rows
+    return chosen
 
 
-def _sample_one(seq: SeqState, logits: torch.Tensor) -> int:  # logits: [vocab]
-    if seq.grammar is not None:
-        return first_token(seq, logits)
-    if seq.request.params.greedy:
-        return int(logits.argmax())
-    assert seq.generator is not None
-    return draw(target_probs(logits[None, :], seq.request.params)[0], seq.generator)
+def _first_tokens(
+    chunked: list[SeqState],
+    segments: list[Segment],
+    logits: torch.Tensor,  # [num_segments, vocab] each segment's last row
+) -> dict[int, int | GrammarError]:
+    """The first token of each sequence whose prompt this chunk completes, by
+    segment: chosen as a verify row is (``_choose``, unconstrained ones in one
+    call), or under the grammar's start mask."""
+    completing = [
+        row
+        for row, (seq, seg) in enumerate(zip(chunked, segments, strict=True))
+        if seq.seq_len + len(seg.token_ids) == seq.prompt_len
+    ]
+    plain = [row for row in completing if chunked[row].grammar is None]
+    firsts: dict[int, int | GrammarError] = {}
+    if plain:
+        rows = logits[plain]  # [num_plain, vocab]
+        seqs = [chunked[row] for row in plain]
+        chosen = _choose(seqs, rows, rows.argmax(dim=-1).tolist(), list(range(len(plain))))
+        firsts.update((row, own[0]) for row, own in zip(plain, chosen, strict=True) if own)
+    for row in completing:
+        if chunked[row].grammar is not None:
+            try:
+                firsts[row] = first_token(chunked[row], logits[row])
+            except GrammarError as exc:
+                firsts[row] = exc
+    return firsts

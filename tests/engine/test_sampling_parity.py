@@ -1,18 +1,24 @@
-"""Speculation preserves the sampled distribution (and seeds reproduce samples).
+"""A seed reproduces its sample whatever the drafts, and the sample is exact.
 
-On a three-token vocabulary the exact distribution of every 4-token
-continuation is enumerable from the fake model's rule. Thousands of seeded
-requests are sampled with plain decoding and with MTP drafts from a *different*
-distribution plus prompt-lookup copies; both histograms must pass a chi-square
-goodness-of-fit test against the exact distribution at significance 0.001.
-The seeds are fixed, so the test is deterministic; an exact sampler fails it
-with probability 0.001 over the choice of seeds, and the test shows it can
-tell a sampler that is off by a temperature change.
+A sampled token is a function of the request's key, its position and the
+target distribution, and a draft is kept when it equals that token: so a
+seeded request's output is the same with and without drafts, under either
+draft policy and at any batch size, which the first tests check directly.
+The distribution itself: on a three-token vocabulary the exact distribution
+of every 4-token continuation is enumerable from the fake model's rule.
+Thousands of seeded requests are sampled with plain decoding and with MTP
+drafts from a *different* distribution plus prompt-lookup copies; both
+histograms must pass a chi-square goodness-of-fit test against the exact
+distribution at significance 0.001. The seeds are fixed, so the test is
+deterministic; an exact sampler fails it with probability 0.001 over the
+choice of seeds, and the test shows it can tell a sampler that is off by a
+temperature change.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -105,12 +111,60 @@ def test_speculation_preserves_the_sampled_distribution(
     assert chi_square(Counter(outcomes[i] for i in draws.tolist()), exact) > bound
 
 
+def seeded_outputs(
+    policy: str | None, max_batch: int, mode: str = "noisy", copies: bool = True
+) -> dict[str, tuple[int, ...]]:
+    """Outputs by request id of 24 seeded requests (two prompts, top-k and
+    top-p among them); ``policy`` None decodes without drafts."""
+    clock = FakeClock()
+    fake = CostedModel(vocab=8, num_slots=16, scale=1.5, seed=3, clock=clock, cost=nearly_free_rows)
+    speculate = policy is not None
+    config = EngineConfig(
+        max_batch=max_batch,
+        draft_policy=policy or "fixed",
+        mtp_min_prob=0.0,
+        mtp_ladder=MtpLadder(steps=((16, 3),), beyond=2),
+        prompt_lookup=PromptLookupConfig(ngram=2, min_match=2, max_seqs=16, miss_backoff=0)
+        if speculate and copies
+        else None,
+    )
+    mtp = [FakeMtp(fake, mode)] if speculate else []  # type: ignore[arg-type]
+    engine = Engine(fake, None, config, mtp=mtp, costs=CostModel(clock))
+    shapes = [
+        SamplingParams(max_tokens=16, temperature=1.0),
+        SamplingParams(max_tokens=16, temperature=0.7, top_k=4, top_p=0.9),
+    ]
+    prompts = [(0, 1, 2, 3, 0, 1, 2, 3, 0, 1), (5, 6, 7)]  # the first repeats: copies
+    stream = [
+        Request(f"r{i}", prompts[i % 2], replace(shapes[i % 2], seed=1000 + i)) for i in range(24)
+    ]
+    outputs = {r.request_id: r.output_ids for r in engine.generate(stream)}
+    if speculate:
+        stats = engine.stats()
+        assert stats.mtp_proposed + stats.prompt_lookup.total.proposed > 0, "drafts were verified"
+    return outputs
+
+
+def test_a_seeded_sample_is_the_same_with_and_without_drafts() -> None:
+    plain = seeded_outputs(None, max_batch=16)
+    assert len(set(plain.values())) > 12, "the seeds give different samples"
+    for policy in ("fixed", "auto"):
+        for mode in ("noisy", "right", "wrong"):
+            assert seeded_outputs(policy, 16, mode) == plain, (policy, mode)
+    assert seeded_outputs("fixed", 16, copies=False) == plain
+
+
+def test_a_seeded_sample_is_the_same_at_any_batch_size() -> None:
+    alone = seeded_outputs(None, max_batch=1)
+    assert seeded_outputs(None, max_batch=16) == alone
+    assert seeded_outputs("fixed", max_batch=1) == alone
+    assert seeded_outputs("auto", max_batch=5) == alone
+
+
 def test_the_same_seed_gives_the_same_sampled_output() -> None:
     def once() -> list[tuple[int, ...]]:
         fake = model()
-        # A seed gives the same sample under the fixed policy; under the
-        # budget the drafts verified follow timings, and with them the draws.
-        config = EngineConfig(max_batch=4, draft_policy="fixed")
+        config = EngineConfig(max_batch=4)  # the default policy: auto
         engine = Engine(fake, None, config, mtp=[FakeMtp(fake, "noisy")])
         stream = [
             Request(str(i), PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=i))

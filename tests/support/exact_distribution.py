@@ -50,8 +50,13 @@ def chi_square(counts: Counter[tuple[int, ...]], exact: dict[tuple[int, ...], fl
 
 
 def critical_value(exact: dict[tuple[int, ...], float]) -> float:
-    """The chi-square quantile at 0.999 (Wilson-Hilferty), for the bins used."""
+    """The chi-square quantile at 0.999 for the bins ``chi_square`` uses."""
     bins = sum(1 for p in exact.values() if p * TRIALS >= 5)
-    df = bins + (1 if any(p * TRIALS < 5 for p in exact.values()) else 0) - 1
+    return critical_value_for(bins + (1 if any(p * TRIALS < 5 for p in exact.values()) else 0) - 1)
+
+
+def critical_value_for(df: int) -> float:
+    """The chi-square quantile at 0.999 with ``df`` degrees of freedom
+    (Wilson-Hilferty)."""
     z = 3.090  # standard normal quantile at 0.999
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3

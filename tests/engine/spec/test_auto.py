@@ -45,7 +45,7 @@ def decoding(
 def draft(policy: AutoPolicy, seq: SeqState, chain: Sequence[int] = (5,)) -> None:
     """The head drafted ``chain`` for ``seq`` (as the device step reports it)."""
     policy.chain_drafted(seq, list(chain))
-    seq.set_drafts(list(chain), None)
+    seq.set_drafts(list(chain))
 
 
 def head_step(policy: AutoPolicy, batch: list[SeqState], queues: Queues) -> dict[int, DraftFeed]:

@@ -219,7 +219,7 @@ def test_a_batch_wider_than_max_seqs_takes_no_copies() -> None:
 
 def test_only_sequences_holding_drafts_take_copies_when_mtp_drafts() -> None:
     without, holding = decoding_seq(REPEATING), decoding_seq(REPEATING)
-    holding.set_drafts([99], None)
+    holding.set_drafts([99])
     took = take_rounds_with_copies([without, holding], LOOKUP, None, 3, mtp_drafting=True)
     assert [t.seq for t in took] == [holding]
     assert holding.pending_drafts == [9, 10]  # window 2, chain min(1, 3)
@@ -239,7 +239,7 @@ def test_a_one_draft_slot_caps_the_copy() -> None:
 
 def test_a_copy_shorter_than_the_chain_is_abandoned() -> None:
     seq = decoding_seq(REPEATING)
-    seq.set_drafts([50, 51, 52], None)
+    seq.set_drafts([50, 51, 52])
     # Period 2: the latest earlier match ends two tokens before the history
     # does, so the copy has two tokens, fewer than the 3-draft chain.
     seq.history = [1, 2] * 6
@@ -251,12 +251,12 @@ def test_a_copy_shorter_than_the_chain_is_abandoned() -> None:
 
 def test_the_window_is_asked_for_at_least_the_chain() -> None:
     seq = decoding_seq(REPEATING)
-    seq.set_drafts([50, 51, 52], None)
+    seq.set_drafts([50, 51, 52])
     take_rounds_with_copies([seq], LOOKUP, None, 3, mtp_drafting=True)
     assert seq.pending_drafts == [9, 10, 11]  # window 2, chain 3: three tokens
     warm = decoding_seq(REPEATING)
     warm_window(warm, LOOKUP, 8)
-    warm.set_drafts([50], None)
+    warm.set_drafts([50])
     take_rounds_with_copies([warm], LOOKUP, None, 1, mtp_drafting=True)
     assert warm.pending_drafts == [9, 10, 11, 12, 13, 14, 15, 0]
 

@@ -9,6 +9,7 @@ import torch
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.runtime.model import ForwardOutput, MtpLogitRows, Segment
+from metrale.engine.sampling import noise_key, sample_at, target_probs
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 
@@ -37,30 +38,40 @@ class ScriptedMtp:
 
 
 def sequence(params: SamplingParams) -> SeqState:
-    generator = None if params.greedy else torch.Generator().manual_seed(0)
     request = Request("r", (1, 2, 3), params)
-    seq = SeqState(request, 0, 64, frozenset(), None, generator, history=[1, 2, 3], seq_len=2)
-    return seq
+    return SeqState(
+        request, 0, 64, frozenset(), None, noise_key(params), history=[1, 2, 3], seq_len=2
+    )
 
 
 @pytest.mark.parametrize(
-    ("params", "expected"),
-    [
-        # Greedy: the chain stops where the module is unsure (the second position).
-        (SamplingParams(max_tokens=10), 1),
-        # Sampled: only the first position is judged; a later one's distribution
-        # depends on the drafts drawn before it, so judging it would bias them.
-        (SamplingParams(max_tokens=10, temperature=1.0), 3),
-    ],
+    "params", [SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, temperature=1.0)]
 )
-def test_only_a_greedy_chain_is_cut_after_its_first_position(
-    params: SamplingParams, expected: int
+def test_a_chain_is_cut_where_the_module_is_unsure_greedy_or_sampled(
+    params: SamplingParams,
 ) -> None:
+    # Sure at the first position, unsure at the second: a sampled draft's
+    # confidence is the shaped probability of the drawn token (1/8 there).
     seq = sequence(params)
     drafter = MtpDrafter(ScriptedMtp(), min_prob=0.5)
     drafter.feed_and_draft([DraftFeed(seq, 0, [2, 3], num_drafts=3)], torch.zeros(2, 4))
-    assert len(seq.pending_drafts) == expected
+    assert seq.pending_drafts == [0]
     assert not seq.drafts_declined
+
+
+def test_a_sampled_draft_is_drawn_with_the_noise_of_its_position() -> None:
+    # The first draft is the token at position 3 (the feed ends at 2): the
+    # token sample_at draws from the module's shaped distribution with the
+    # request's key there, which the verify draws the target's token with.
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=5)
+    seq = sequence(params)
+    module = ScriptedMtp()
+    module.calls = 1  # flat: every token is as likely, so the noise decides
+    MtpDrafter(module).feed_and_draft([DraftFeed(seq, 0, [2, 3], num_drafts=1)], torch.zeros(2, 4))
+    key = noise_key(params)
+    assert key is not None
+    flat = target_probs(FLAT[None, :], params)
+    assert seq.pending_drafts == sample_at(flat, [key], [3])
 
 
 def test_an_unsure_first_position_declines_the_whole_chain() -> None:

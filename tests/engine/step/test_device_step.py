@@ -11,6 +11,7 @@ device-to-host read and no blocking upload per decode step.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,35 @@ def test_a_sampled_run_is_reproduced_by_its_seeds(checkpoints: dict[str, Path]) 
     assert first == again
     greedy_alone = _outputs(_engine(checkpoints["mimo"], "host"), [mixed[-1]])
     assert first["greedy"] == greedy_alone["greedy"], "a greedy row in a sampled batch is greedy"
+
+
+@pytest.mark.parametrize("repeat", [False, True], ids=["chains", "copies"])
+def test_a_seeded_sample_is_the_same_on_either_step_path_with_or_without_drafts(
+    repeat: bool, checkpoints: dict[str, Path]
+) -> None:
+    # Each token is drawn with the request's key at its position from the
+    # target there, and a draft is kept when it equals it: the drafts, the
+    # policy, the batch and the step path change how many verifies it takes.
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_k=40, top_p=0.95)
+    requests = [
+        Request(r.request_id, r.prompt_ids, replace(params, seed=50 + i))
+        for i, r in enumerate(_requests(5, params, repeat=repeat))
+    ]
+    path = checkpoints["mimo"]
+    plain = _outputs(_engine(path, "host", mtp=False, prompt_lookup=None), requests)
+    assert len(set(plain.values())) == len(plain)
+    runs = {
+        "host": _engine(path, "host"),
+        "host auto": _engine(path, "host", draft_policy="auto"),
+        "host batch 1": _engine(path, "host", slots=1),
+        "device": _engine(path, "device"),
+        "device auto": _engine(path, "device", draft_policy="auto"),
+        "device no drafts": _engine(path, "device", mtp=False, prompt_lookup=None),
+    }
+    for name, engine in runs.items():
+        assert _outputs(engine, requests) == plain, name
+    drafted = runs["device"].stats()
+    assert drafted.mtp_accepted + drafted.prompt_lookup.total.accepted > 0
 
 
 def test_a_grammar_is_refused_by_name_on_the_device_step(checkpoints: dict[str, Path]) -> None:
