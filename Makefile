@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The shipped sample workload `make run` generates on.
 RUN_INPUT ?= sample_prompts/code_edits.jsonl
 
-.PHONY: all setup run test lint typecheck pytest docs bench bench-lookup bench-runtime bench-kernel bench-engine bench-startup bench-grammar bench-ray bench-budget bench-cli bench-ablation mtp-head mtp-eval gpu-check gpu-wheels clean
+.PHONY: all setup run test lint typecheck pytest docs bench bench-lookup bench-runtime bench-kernel bench-gguf bench-engine bench-startup bench-grammar bench-ray bench-budget bench-cli bench-ablation mtp-head mtp-eval gpu-check gpu-wheels clean
 
 all: test
 
@@ -75,6 +75,22 @@ bench-runtime: setup
 # checked bit for bit.
 bench-kernel: setup
 	$(PY) -m metrale.engine.bench.kernel
+	$(PY) -m metrale.engine.bench.kernel_formats
+
+# metrale against llama.cpp on the embedded model requantized by llama.cpp
+# into Q4_K_M, Q5_K_M, Q6_K and Q4_0, at batch 1 and 2 threads, on held-out
+# code edits (bench_prompts/code_refactors.jsonl). llama-cpp-python is the
+# benchmark's only: installed here into the venv, never a dependency of
+# metrale. PyPI has it as source only, so the first install compiles
+# llama.cpp (more than an hour on two busy cores). Writes the bench-gguf
+# section of docs/benchmarks.md.
+LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
+$(VENV)/.llama-cpp: | $(STAMP)
+	$(PIP) install --quiet $(LLAMA_CPP_PYTHON)
+	@touch $@
+
+bench-gguf: setup $(VENV)/.llama-cpp
+	$(PY) -m metrale.engine.bench.gguf
 
 # A one-line job's time to its first output line and peak memory, next to a
 # bare `python -c "import torch"` in the same run.
