@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from metrale.engine.load.file_checks import AGAIN
 from metrale.engine.load.plain_config import plain_config
 from metrale.engine.load.quant import check_tensors, read_quant
 from metrale.engine.runtime.arch import (
@@ -83,7 +84,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
     config_file = path / "config.json"
     if not config_file.exists():
         raise CheckpointError(f"{path} is not a checkpoint folder: config.json is missing")
-    raw: dict[str, Any] = json.loads(config_file.read_text())
+    raw = _config(config_file)
     model_type = str(raw.get("model_type", ""))
     if model_type not in FAMILIES:
         refuse_unsupported_layers(raw, None)
@@ -103,6 +104,20 @@ def read_checkpoint(path: Path) -> Checkpoint:
     if model_type in _NESTED:
         weights = weights.renamed(_language_name)
     return Checkpoint(path, spec, hf_config, raw, weights, quant)
+
+
+def _config(config_file: Path) -> dict[str, Any]:
+    """``config.json`` as a dict; a file that is not a JSON object is refused
+    naming it, before anything else is read."""
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file} is not JSON ({exc}); {AGAIN}") from exc
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{config_file} is not UTF-8 text; {AGAIN}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_file} must hold a JSON object; {AGAIN}")
+    return raw
 
 
 def language_config(raw: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,8 @@ the loader reads, the model's name, and where it came from (``origin``, as
 1. ``None``: the embedded default model (``default_model.py``);
 2. an existing folder: a checkpoint folder, read in place;
 3. an existing file: a GGUF (it starts with the ``GGUF`` magic), converted
-   once into ``$METRALE_HOME`` (``gguf_cache.py``); any other file is refused;
+   once into ``$METRALE_HOME`` (``gguf_cache.py``); any other file is refused,
+   and so is a damaged GGUF, named with its fault (``file_checks.py``);
 4. ``owner/name`` that exists nowhere on disk: a hub id, found in the
    Hugging Face cache or fetched into it (``hub.py``);
 5. anything else (``./models/x``, ``/abs/path``, ``x.gguf``, ``name``): no
@@ -96,9 +97,7 @@ def resolve_source(source: str | Path | None, revision: str | None) -> ResolvedS
         resolved = path.resolve()
         return ResolvedSource(kind, path, resolved.name, f"folder {resolved}")
     if kind == "gguf":
-        from metrale.engine.load.gguf_cache import ensure_gguf_model
-
-        folder = ensure_gguf_model(path)
+        folder = _converted(path)
         origin = f"gguf file {path.resolve()} (converted into {folder})"
         return ResolvedSource(kind, folder, path.stem, origin)
     from metrale.engine.load.hub import hub_snapshot
@@ -106,6 +105,23 @@ def resolve_source(source: str | Path | None, revision: str | None) -> ResolvedS
     snapshot = hub_snapshot(str(source), revision)
     origin = f"hub {snapshot.repo_id}@{snapshot.revision} (commit {snapshot.commit})"
     return ResolvedSource(kind, snapshot.folder, snapshot.repo_id, origin)
+
+
+def _converted(path: Path) -> Path:
+    """The folder converted from a GGUF file. A conversion that fails on a
+    damaged file says what the damage is rather than where the converter
+    tripped over it (the framing is read only then: a sound file costs
+    nothing more)."""
+    from metrale.engine.load.file_checks import gguf_problem
+    from metrale.engine.load.gguf_cache import ensure_gguf_model
+
+    try:
+        return ensure_gguf_model(path)
+    except CheckpointError as exc:
+        problem = gguf_problem(path)
+        if problem is None:
+            raise
+        raise CheckpointError(problem) from exc
 
 
 def _default() -> ResolvedSource:

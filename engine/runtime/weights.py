@@ -11,6 +11,11 @@ dequantized to float32 from its scale, and the scales are not weights:
 ``names()``, ``in`` and ``get`` know them not. Every other tensor comes back
 in the dtype it is stored in; callers cast.
 
+A damaged file (truncated, a corrupt header, an index naming a shard that is
+absent or leaving out shards of its series) is refused when the store opens
+or reads its headers, before any weight is read, with the file and the fault
+(``load/file_checks.py``).
+
 A store may present stored names under other names (``renamed``): Qwen3.5's
 ``model.language_model.*`` read as ``model.*``, with its vision tower left out.
 ``headers`` still lists every stored tensor under its stored name.
@@ -26,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from metrale.engine.load.file_checks import AGAIN, index_problem, safetensors_problem
 from metrale.engine.runtime.arch import CheckpointError
 from metrale.engine.runtime.fp8 import BlockFp8, dequantize
 
@@ -70,7 +76,10 @@ class WeightStore:
         index = folder / "model.safetensors.index.json"
         single = folder / "model.safetensors"
         if index.exists():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = _weight_map(index)
+            problem = index_problem(index, set(weight_map.values()))
+            if problem is not None:
+                raise CheckpointError(problem)
             return cls({name: folder / file for name, file in weight_map.items()}, quant)
         if single.exists():
             return cls.open_file(single, quant)
@@ -85,7 +94,7 @@ class WeightStore:
             with safe_open(str(file), framework="pt") as handle:
                 return cls(dict.fromkeys(handle.keys(), file), quant)
         except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(f"cannot read {file}: {exc}") from exc
+            raise _unreadable(file, exc) from exc
 
     def names(self) -> list[str]:
         return sorted(self.files)
@@ -127,11 +136,19 @@ class WeightStore:
         for file, names in by_file.items():
             try:
                 with safe_open(str(file), framework="pt") as handle:
+                    held = set(handle.keys())
                     for name in names:
+                        if name not in held:
+                            raise CheckpointError(
+                                f"{file} does not hold {name!r}, which the index puts there; "
+                                f"{AGAIN}"
+                            )
                         piece = handle.get_slice(name)
                         out[name] = TensorHeader(piece.get_dtype(), tuple(piece.get_shape()))
+            except CheckpointError:
+                raise
             except Exception as exc:  # safetensors raises its own error types
-                raise CheckpointError(f"cannot read {file}: {exc}") from exc
+                raise _unreadable(file, exc) from exc
         return out
 
     def _read(self, name: str) -> torch.Tensor:
@@ -151,3 +168,26 @@ class WeightStore:
         self.quant.check_scale(name, tuple(q.shape), found)
         assert scale is not None
         return dequantize(q, scale, self.quant.block)  # [..., out, in]
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """An index's ``weight_map`` (tensor name -> shard file), checked."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{index} is not JSON ({exc}); {AGAIN}") from exc
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index} has no weight_map object; {AGAIN}") from exc
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to files; {AGAIN}")
+    return weight_map
+
+
+def _unreadable(file: Path, exc: Exception) -> CheckpointError:
+    """A file safetensors could not open: the fault in its framing when it
+    has one (``file_checks.py``), else the library's words."""
+    try:
+        problem = safetensors_problem(file)
+    except OSError as os_error:
+        problem = f"cannot read {file}: {os_error.strerror or os_error}"
+    return CheckpointError(problem or f"cannot read {file}: {exc}")
