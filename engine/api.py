@@ -7,12 +7,15 @@ and flags; nothing here knows about JSON, terminals or files.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from metrale.lookup import LookupStats
 
 FinishReason = Literal["stop", "length", "error"]
+# Most alternatives a token's log-probabilities list (OpenAI's top_logprobs bound).
+MAX_TOP_LOGPROBS = 20
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice"]
 GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "json_object", "regex", "choice")
 
@@ -37,7 +40,11 @@ class Grammar:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request is decoded. ``temperature == 0`` means greedy."""
+    """How one request is decoded. ``temperature == 0`` means greedy.
+
+    ``logprobs``: None for none; ``k`` for each emitted token's raw
+    log-probability and the ``k`` likeliest alternatives (``TokenLogprob``).
+    """
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -46,6 +53,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -56,6 +64,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 (off) or positive, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -113,6 +123,18 @@ class RequestStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the model's raw distribution
+    (a float32 log-softmax of the verifying forward's logits: before
+    temperature, top-k, top-p and a grammar's mask), and the ``k`` likeliest
+    tokens there, likeliest first: ``top`` is ``((token_id, logprob), ...)``."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Result:
     """A finished request. ``error`` is set (and ``finish_reason == "error"``)
     when the request could not be generated; the other requests are unaffected."""
@@ -124,6 +146,10 @@ class Result:
     finish_reason: FinishReason
     stats: RequestStats
     error: str | None = None
+    # One a token of ``text`` (a final EOS has none), when the request asked,
+    # and the bytes of every token they name (the emitted and the top ones).
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    token_bytes: Mapping[int, bytes] = field(default_factory=dict)
 
     @property
     def completion_tokens(self) -> int:

@@ -32,6 +32,7 @@ from metrale.engine.api import Grammar, Request, Result
 from metrale.engine.config import EngineConfig
 from metrale.engine.kernels.binding import packed_kernel
 from metrale.engine.load.home import metrale_home
+from metrale.engine.logprobs import TokenBytes
 from metrale.engine.runtime.model import Model, MtpModule
 from metrale.engine.sampling import noise_key
 from metrale.engine.sequence import Decode, SeqState, error_result
@@ -86,6 +87,8 @@ class Engine:
         self.config = config
         self._decode = _as_decode(tokenizer)
         self._tokenizer = tokenizer
+        # The bytes of the tokens a result's logprobs name.
+        self._token_bytes = TokenBytes(tokenizer, self._decode).spell if self._decode else None
         self._grammars = grammars
         self._grammars_problem: str | None = None
         mtp = mtp if config.mtp else ()
@@ -286,7 +289,7 @@ class Engine:
             if seq.grammar is not None:
                 self._counters.count_grammar(len(seq.output_ids), seq.grammar.spent_s)
             self._counters.requests_done += 1
-            results.append(seq.result(self._decode))
+            results.append(seq.result(self._decode, self._token_bytes))
         return results
 
     # -- helpers ------------------------------------------------------------

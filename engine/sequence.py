@@ -24,6 +24,8 @@ Contract (owned by the engine loop, one ``SeqState`` per admitted request):
 - ``grammar`` (constrained requests only) has consumed exactly the emitted
   tokens. ``forced_drafts`` and ``masks`` live for one step: the grammar's
   forced run this step (``spec/constrained.py``), and the verify rows' masks.
+- ``logprobs`` (requests that ask for them) holds one ``TokenLogprob`` per
+  output token, in step with ``output_ids``.
 - ``error`` set means the request failed while decoding (its grammar could
   not go on); it finishes with ``finish_reason == "error"``.
 """
@@ -34,13 +36,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from metrale.engine.api import FinishReason, Request, RequestStats, Result
+from metrale.engine.api import FinishReason, Request, RequestStats, Result, TokenLogprob
 from metrale.lookup import PromptLookupSeq, ScopeKey
 
 if TYPE_CHECKING:
     from metrale.engine.spec.matcher import GrammarMatcher, RowMasks
 
 Decode = Callable[[Sequence[int]], str]
+TokenBytes = Callable[[int], bytes]
 
 
 @dataclass(eq=False)
@@ -64,10 +67,13 @@ class SeqState:
     masks: RowMasks | None = None
     error: str | None = None
     verify_rows: int | None = None  # the model's widest verify; None: any
+    logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         if not self.history:
             self.history = list(self.request.prompt_ids)
+        if self.request.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def prompt_len(self) -> int:
@@ -104,10 +110,16 @@ class SeqState:
     def set_drafts(self, drafts: list[int]) -> None:
         self.pending_drafts = drafts
 
-    def emit(self, token_ids: Sequence[int], decode: Decode | None) -> None:
+    def emit(
+        self,
+        token_ids: Sequence[int],
+        decode: Decode | None,
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> None:
         """Appends sampled tokens, stopping at the first EOS, at ``max_tokens``
         or at the first token whose text completes a stop string; tokens after
-        that stop are dropped. ``seq_len`` is the caller's to move."""
+        that stop are dropped, and so are their ``logprobs`` (one a token,
+        given when the request asked). ``seq_len`` is the caller's to move."""
         assert not self.finished, "a finished sequence emits nothing"
         max_tokens = self.request.params.max_tokens
         first_new = len(self.history)
@@ -122,6 +134,9 @@ class SeqState:
         stops = self.request.params.stop
         if stops and decode is not None:
             self._cut_at_stop(stops, decode, first_new)
+        if self.logprobs is not None:
+            assert logprobs is not None, "a request that asked for logprobs gets them a token"
+            self.logprobs.extend(logprobs[: len(self.history) - first_new])
 
     def _cut_at_stop(self, stops: Sequence[str], decode: Decode, first_new: int) -> None:
         # One decode per call tells whether any stop string appeared; only then
@@ -147,8 +162,9 @@ class SeqState:
         """Ends the request with an error; the other requests go on."""
         self.finish_reason, self.error = "error", message
 
-    def result(self, decode: Decode | None) -> Result:
-        """The finished request; the text stops before an EOS and a stop string."""
+    def result(self, decode: Decode | None, token_bytes: TokenBytes | None = None) -> Result:
+        """The finished request; the text stops before an EOS and a stop
+        string, and so do its logprobs, whose tokens ``token_bytes`` spells."""
         assert self.finish_reason is not None, "only a finished sequence has a result"
         if self.grammar is not None:
             self.stats.grammar_s = self.grammar.spent_s
@@ -157,6 +173,12 @@ class SeqState:
         text = self.stop_text
         if text is None:
             text = decode(self._text_ids()) if decode is not None else ""
+        logprobs, spelled = None, {}
+        if self.logprobs is not None:
+            logprobs = tuple(self.logprobs[: len(self._text_ids())])
+            named = {t.token_id for t in logprobs} | {i for t in logprobs for i, _ in t.top}
+            if token_bytes is not None:
+                spelled = {i: token_bytes(i) for i in sorted(named)}
         return Result(
             request_id=self.request.request_id,
             prompt_tokens=self.prompt_len,
@@ -164,6 +186,8 @@ class SeqState:
             text=text,
             finish_reason=self.finish_reason,
             stats=self.stats,
+            logprobs=logprobs,
+            token_bytes=spelled,
         )
 
 

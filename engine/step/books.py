@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from metrale.engine.api import TokenLogprob
 from metrale.engine.runtime.model import Model, Segment
 from metrale.engine.sequence import Decode, SeqState
 from metrale.engine.spec.constrained import take_forced
@@ -49,13 +50,16 @@ class Books:
         self.counters = counters
         self.decode = decode
 
-    def settle(self, seq: SeqState, emitted: list[int]) -> None:
+    def settle(
+        self, seq: SeqState, emitted: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> None:
         """A sequence's verify: ``emitted`` are its kept drafts and the bonus
-        token; counts them, emits them, advances ``seq_len``."""
+        token (``logprobs`` theirs, when the request asked); counts them,
+        emits them, advances ``seq_len``."""
         accepted, counters = len(emitted) - 1, self.counters
         self._count_drafts(seq, accepted)
         before = len(seq.history)
-        seq.emit(emitted, self.decode)
+        seq.emit(emitted, self.decode, logprobs)
         seq.seq_len += accepted + 1
         seq.set_drafts([])
         seq.stats.verifies += 1
@@ -65,9 +69,9 @@ class Books:
         counters.generated_tokens += len(seq.history) - before
         self.advance_grammar(seq, seq.history[before:])
 
-    def emit_first(self, seq: SeqState, token: int) -> None:
+    def emit_first(self, seq: SeqState, token: int, logprob: TokenLogprob | None = None) -> None:
         """The token sampled after the prompt, outside any verify."""
-        seq.emit([token], self.decode)
+        seq.emit([token], self.decode, [logprob] if logprob is not None else None)
         self.counters.generated_tokens += 1
         self.advance_grammar(seq, [token])
 

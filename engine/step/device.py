@@ -129,7 +129,7 @@ class DeviceStep:
         times.produced = {}
         for seq, out in zip(batch, outs, strict=True):
             times.produced[seq.slot] = out.emitted
-            self.books.settle(seq, out.emitted)
+            self.books.settle(seq, out.emitted, out.logprobs)
             # No chain this time (none sure enough): a copy may stand in, as on the host.
             seq.drafts_declined = chain > 0 and not out.drafts
             if not seq.finished and out.drafts:

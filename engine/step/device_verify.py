@@ -12,7 +12,8 @@ and a chain of ``depth`` drafts from each slot's last final row (greedy: the
 argmax; sampled: drawn from the module's shaped distribution with the same
 key at the draft's position; either stops where the module's probability of
 its draft is below ``min_prob``); then one readback of accepted counts,
-emitted tokens and the next drafts. The host does the rest: stop strings,
+emitted tokens, the next drafts and, for requests that ask, the emitted
+tokens' logprobs (``engine/logprobs.py``). The host does the rest: stop strings,
 finish, prompt lookup and copies, and the next step's inputs.
 
 Slots: the batch is slots ``0..B-1`` for the smallest bucket ``B`` holding
@@ -44,8 +45,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from metrale.engine.api import SamplingParams
+from metrale.engine.api import SamplingParams, TokenLogprob
 from metrale.engine.config import EngineConfig, StepPathError
+from metrale.engine.logprobs import assemble, logprob_tensors
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
 from metrale.engine.runtime.static_step import (
     HEADROOM,
@@ -167,11 +169,13 @@ class VerifyRow:
 @dataclass(frozen=True)
 class VerifyOut:
     """What the readback brought for one row: drafts kept, tokens emitted
-    (``accepted + 1``: the kept drafts and the bonus) and the next drafts."""
+    (``accepted + 1``: the kept drafts and the bonus), the next drafts, and
+    the emitted tokens' logprobs when the request asked."""
 
     accepted: int
     emitted: list[int]
     drafts: list[int]
+    logprobs: list[TokenLogprob] | None = None
 
 
 class StaticStep:
@@ -265,9 +269,20 @@ class DeviceVerify:
         if depth > 0:
             drafts, counts = self._chain(accepted, hidden, starts, chain, ctx, depth, sampling)
             out += [drafts.reshape(-1), counts]
+        top = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+        if top is not None:
+            # Every row's chosen token's, as float64 bits in the int64 readback.
+            lps = logprob_tensors(logits, chosen.reshape(-1), top)
+            out += [
+                lps[0].double().view(torch.int64),
+                lps[1].double().reshape(-1).view(torch.int64),
+            ]
+            out += [lps[2].reshape(-1)]
         packed = torch.cat(out)
-        values = readback(packed, self._down[: packed.shape[0]]).tolist()
-        return _unpack(values, rows, batch, width, depth)
+        if packed.shape[0] > self._down.shape[0]:
+            self._down = host_buffer((packed.shape[0],), torch.int64, self.device)
+        values = readback(packed, self._down[: packed.shape[0]]).numpy()
+        return _unpack(values, rows, (batch, width, depth, top))
 
     def _upload(self, rows: Sequence[VerifyRow], batch: int, width: int) -> list[torch.Tensor]:
         """Writes every input into the pinned buffer and sends it in one copy:
@@ -390,23 +405,45 @@ class _Sampling:
 
 
 def _unpack(
-    values: list[int], rows: Sequence[VerifyRow], batch: int, width: int, depth: int
+    values: np.ndarray,  # [packed] int64, the readback
+    rows: Sequence[VerifyRow],
+    shape: tuple[int, int, int, int | None],  # batch, width, depth, top (None: no logprobs)
 ) -> list[VerifyOut]:
     """Each row's results from the readback's flat ``accepted [B], emitted
-    [B * W], drafts [B * depth], counts [B]``."""
-    accepted = values[:batch]
-    emitted = values[batch : batch + batch * width]
-    drafts = values[batch + batch * width : batch + batch * (width + depth)]
-    counts = values[batch + batch * (width + depth) :]
+    [B * W]``, when ``depth`` ``drafts [B * depth], counts [B]``, and when
+    ``top`` the logprobs of every row's chosen token ``[B * W]``, the top
+    ones ``[B * W * top]`` (both float64 bits) and their ids."""
+    batch, width, depth, top = shape
+    parts = [batch, batch * width] + ([batch * depth, batch] if depth else [])
+    if top is not None:
+        parts += [batch * width, batch * width * top, batch * width * top]
+    pieces = np.split(values, np.cumsum(parts)[:-1])
+    accepted, emitted = pieces[0].tolist(), pieces[1].tolist()
+    drafts, counts = (pieces[2].tolist(), pieces[3].tolist()) if depth else ([], [])
     results = []
     for r in rows:
         n = accepted[r.slot]
         own = drafts[r.slot * depth : (r.slot + 1) * depth] if depth else []
+        tokens = emitted[r.slot * width : r.slot * width + n + 1]
+        logprobs = None
+        if top is not None and r.params.logprobs is not None:
+            lp, top_v, top_i = (
+                p.reshape(batch, width, size)[r.slot, : n + 1]
+                for p, size in zip(pieces[-3:], (1, top, top), strict=True)
+            )
+            k = r.params.logprobs
+            logprobs = assemble(
+                tokens,
+                lp.view(np.float64)[:, 0].tolist(),
+                top_v.view(np.float64)[:, :k].tolist(),
+                top_i[:, :k].tolist(),
+            )
         results.append(
             VerifyOut(
                 accepted=n,
-                emitted=emitted[r.slot * width : r.slot * width + n + 1],
+                emitted=tokens,
                 drafts=own[: counts[r.slot]] if depth else [],
+                logprobs=logprobs,
             )
         )
     return results

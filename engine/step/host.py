@@ -12,7 +12,8 @@ Contract: ``HostStep.run`` reads top to bottom as the step's phases:
 3. verify every decoding sequence's ``[last_token] + drafts`` in one
    forward, choose each row's token (greedy: the argmax; sampled: drawn with
    the request's noise key at the row's position), keep the longest prefix
-   of drafts equal to them and emit it with the bonus token;
+   of drafts equal to them and emit it with the bonus token (and their
+   logprobs, read from the same rows, when the request asked);
 4. settle the copies from each sequence's ``seq_len`` advance and tell the
    policy what the verify did;
 5. feed the MTP head every position the verify made final and draft the
@@ -27,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from metrale.engine.api import Request
+from metrale.engine.logprobs import token_logprobs
 from metrale.engine.runtime.model import Segment
 from metrale.engine.sampling import sample_at, target_probs
 from metrale.engine.sequence import SeqState
@@ -102,7 +104,7 @@ class HostStep:
             complete = seq.seq_len == seq.prompt_len
             if complete:
                 queues.prefilling.remove(seq)
-                self._emit_first(seq, firsts[row])
+                self._emit_first(seq, firsts[row], out.logits[row])
                 (done if seq.finished else queues.decoding).append(seq)
             if self.drafter is not None and not seq.finished:
                 # Position p gets token p+1: the next prompt token, or the
@@ -120,13 +122,20 @@ class HostStep:
         times.prefill_s = self.policy.clock() - began
         return done
 
-    def _emit_first(self, seq: SeqState, first: int | GrammarError) -> None:
+    def _emit_first(
+        self,
+        seq: SeqState,
+        first: int | GrammarError,
+        logits: torch.Tensor,  # [vocab] the prompt's last row, which chose it
+    ) -> None:
         """The token the prefill chose after the prompt (a grammar that could
         not choose one fails the sequence)."""
         if isinstance(first, GrammarError):
             seq.fail(str(first))
             return
-        self.books.emit_first(seq, first)
+        top = seq.request.params.logprobs
+        logprob = token_logprobs(logits[None, :], [first], top)[0] if top is not None else None
+        self.books.emit_first(seq, first, logprob)
 
     def _verify(self, batch: list[SeqState], times: StepTimes) -> tuple[torch.Tensor, list[int]]:
         """One forward over every sequence's ``[last_token] + drafts``; emits
@@ -156,7 +165,11 @@ class HostStep:
                 seq.fail(str(exc))
                 continue
             times.produced[seq.slot] = [*drafts[len(seq.forced_drafts) : accepted], bonus]
-            self.books.settle(seq, [*drafts[:accepted], bonus])
+            emitted = [*drafts[:accepted], bonus]
+            top, logprobs = seq.request.params.logprobs, None
+            if top is not None:
+                logprobs = token_logprobs(out.logits[first : first + accepted + 1], emitted, top)
+            self.books.settle(seq, emitted, logprobs)
         return out.hidden, first_rows
 
     def _draft(

@@ -219,6 +219,32 @@ def test_a_seeded_sample_is_the_same_on_either_step_path_with_or_without_drafts(
     assert drafted.mtp_accepted + drafted.prompt_lookup.total.accepted > 0
 
 
+def test_logprobs_come_back_with_the_one_readback_and_equal_the_host_steps(
+    checkpoints: dict[str, Path],
+) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=4)
+    mixed = [*_requests(3, params, repeat=True), *_requests(1, SamplingParams(max_tokens=12))]
+    mixed[-1] = Request("plain", mixed[-1].prompt_ids, replace(mixed[-1].params, logprobs=0))
+    host = {r.request_id: r for r in _engine(checkpoints["mimo"], "host").generate(mixed)}
+    device = {r.request_id: r for r in _engine(checkpoints["mimo"], "device").generate(mixed)}
+    for rid, want in host.items():
+        got = device[rid]
+        assert got.output_ids == want.output_ids, rid
+        assert want.logprobs is not None and got.logprobs is not None
+        assert [e.token_id for e in got.logprobs] == [e.token_id for e in want.logprobs]
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-5
+            assert [i for i, _ in a.top] == [i for i, _ in b.top]
+            assert all(abs(x - y) < 1e-5 for (_, x), (_, y) in zip(a.top, b.top, strict=True))
+    engine = _engine(checkpoints["mimo"], "device")
+    engine._queues.waiting.extend(mixed)
+    engine._step()
+    while engine._queues.decoding:
+        with count_syncs() as syncs:
+            engine._step()
+        assert (syncs.readbacks, syncs.uploads) == (1, 0)
+
+
 def test_a_grammar_is_refused_by_name_on_the_device_step(checkpoints: dict[str, Path]) -> None:
     engine = _engine(checkpoints["llama"], "device")
     ok, constrained = _requests(2, SamplingParams(max_tokens=4))
