@@ -1,19 +1,23 @@
 """`metrale generate`: JSONL prompts in, JSONL completions out.
 
 Contract: the command turns flags (or their ``METRALE_*`` environment
-variables) into validated configs, loads the model, and hands everything to
-``metrale.cli.run.run``. Usage errors (a flag out of range, a missing input,
-``--resume`` without ``-o``, a model that cannot be loaded) exit with 2 and a
-message on standard error before any line is generated.
+variables) into validated configs, claims the output (``output.py``: an
+advisory lock, so two runs never write one file), loads the model, and hands
+everything to ``metrale.cli.run.run``. Usage errors (a flag out of range, a
+missing input, ``--resume`` without ``-o``, an output another run is writing,
+a model that cannot be loaded) exit with 2 and a message on standard error
+before any line is read. SIGINT and SIGTERM stop it cleanly, while the model
+loads too (``stop.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import IO, Annotated
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -56,9 +60,11 @@ from metrale.cli.options import (
     option,
     with_flags,
 )
+from metrale.cli.output import OutputBusy, OutputFile, StandardOutput
 from metrale.cli.ray_backend import RaySettings, open_ray_backend, ray_problem
 from metrale.cli.records import done_ids
-from metrale.cli.run import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Backend, RunPlan, run
+from metrale.cli.run import EXIT_BROKEN_PIPE, EXIT_OUTPUT_FAILED, Backend, RunPlan, run
+from metrale.cli.stop import Stopped, stop_signals, stop_status
 from metrale.engine.api import Grammar, SamplingParams
 from metrale.engine.config import (
     MTP_MIN_PROB,
@@ -248,25 +254,33 @@ def generate(
         raise config_error(exc) from exc
     grammar = _schema_file(json_schema)
     console = Console(stderr=True)
-    backend = _load(console, model, runtime, engine_cfg, cluster)
-    plan = RunPlan(
-        inputs=sources,
-        output=out_path,
-        order=order,
-        skip_ids=frozenset(done_ids(Path(out_path))) if resume and out_path else frozenset(),
-        stats_json=stats_json,
-        progress=_view_mode(progress, console, out_path is None),
-        defaults=LineDefaults(params=params, scope=shared_scope, grammar=grammar),
-        settings={
-            "model": model,
-            "json_schema": None if json_schema is None else str(json_schema),
-            "engine": dataclasses.asdict(engine_cfg),
-            "runtime": dataclasses.asdict(runtime),
-            "sampling": dataclasses.asdict(params),
-            "ray": None if cluster is None else dataclasses.asdict(cluster),
-        },
-    )
-    raise typer.Exit(_run_into(plan, backend, console, append=resume))
+    claimed = _claim_output(out_path)
+    try:
+        skip_ids = _done_ids(out_path) if resume and out_path else frozenset()
+        with stop_signals():
+            backend = _load(console, model, runtime, engine_cfg, cluster)
+        plan = RunPlan(
+            inputs=sources,
+            output=out_path,
+            order=order,
+            skip_ids=skip_ids,
+            stats_json=stats_json,
+            progress=_view_mode(progress, console, out_path is None),
+            defaults=LineDefaults(params=params, scope=shared_scope, grammar=grammar),
+            settings={
+                "model": model,
+                "json_schema": None if json_schema is None else str(json_schema),
+                "engine": dataclasses.asdict(engine_cfg),
+                "runtime": dataclasses.asdict(runtime),
+                "sampling": dataclasses.asdict(params),
+                "ray": None if cluster is None else dataclasses.asdict(cluster),
+            },
+        )
+        status = _run_into(plan, backend, console, claimed, append=resume)
+    finally:
+        if claimed is not None:
+            claimed.close()  # drops the lock
+    raise typer.Exit(status)
 
 
 def _schema_file(path: Path | None) -> Grammar | None:
@@ -310,6 +324,35 @@ def _ray_settings(address: str | None, workers: int | None) -> RaySettings | Non
         raise config_error(exc) from exc
 
 
+def _claim_output(path: str | None) -> OutputFile | None:
+    """Opens and locks ``-o OUTPUT`` (None: standard output) before anything
+    loads, so a second run on the same file is refused at once."""
+    if path is None:
+        if sys.stdout is None:  # started with its standard output closed
+            raise typer.BadParameter(
+                "standard output is closed: give -o OUTPUT", param_hint="'-o' / '--output'"
+            )
+        return None
+    try:
+        return OutputFile.open(path)
+    except OutputBusy as exc:
+        raise typer.BadParameter(str(exc), param_hint="'-o' / '--output'") from exc
+    except OSError as exc:
+        raise typer.BadParameter(
+            f"cannot open {path}: {exc.strerror or exc}", param_hint="'-o' / '--output'"
+        ) from exc
+
+
+def _done_ids(path: str) -> frozenset[str]:
+    """The ids ``--resume`` skips (a cut-off last line repaired first)."""
+    try:
+        return frozenset(done_ids(Path(path)))
+    except OSError as exc:
+        raise typer.BadParameter(
+            f"cannot read {path}: {exc.strerror or exc}", param_hint="--resume"
+        ) from exc
+
+
 def _load(
     console: Console,
     model: str | None,
@@ -322,33 +365,37 @@ def _load(
         if cluster is not None:
             return open_ray_backend(cluster, model, runtime, engine)
         return open_backend(model, runtime, engine)
-    except KeyboardInterrupt:
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except KeyboardInterrupt as exc:
+        what = exc.name if isinstance(exc, Stopped) else "SIGINT"
+        console.print(f"metrale: stopped by {what} while loading the model; nothing was read")
+        raise typer.Exit(stop_status(exc)) from None
     except StepPathError as exc:  # the model loaded, but not for that step
         raise config_error(exc) from exc
     except (OSError, ValueError) as exc:  # CheckpointError is a ValueError
         raise load_error(exc, runtime.mtp_head) from exc
 
 
-def _run_into(plan: RunPlan, backend: Backend, console: Console, append: bool) -> int:
-    """Runs with the output opened (appending under ``--resume``); returns the status."""
-    stream = sys.stdout if plan.output is None else _open_output(plan.output, append)
-    try:
-        status = run(plan, backend, stream, console)
-    finally:
-        if stream is not sys.stdout:
-            stream.close()
-    if status == EXIT_BROKEN_PIPE and stream is sys.stdout:
-        # Nobody reads standard output any more: point it at /dev/null so the
-        # interpreter's final flush does not raise a second BrokenPipeError.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+def _run_into(
+    plan: RunPlan, backend: Backend, console: Console, output: OutputFile | None, append: bool
+) -> int:
+    """Runs into the claimed output (emptied first unless ``append``: an
+    earlier output survives a run refused or failing to load), or standard
+    output; returns the status."""
+    if output is not None:
+        try:
+            output.start(append)
+        except OSError as exc:
+            console.print(f"metrale: cannot empty {output.path}: {exc.strerror or exc}")
+            return EXIT_OUTPUT_FAILED
+    sink = output if output is not None else StandardOutput(sys.stdout)
+    with stop_signals():
+        status = run(plan, backend, sink, console)
+    if output is None and status in (EXIT_BROKEN_PIPE, EXIT_OUTPUT_FAILED):
+        # Standard output cannot take more: point it at /dev/null so the
+        # interpreter's final flush does not raise a second error.
+        with contextlib.suppress(OSError, ValueError):  # not a descriptor: a test's capture
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return status
-
-
-def _open_output(path: str, resume: bool) -> IO[str]:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    # Resume appends: done_ids() has already cut any partial last line.
-    return open(path, "a" if resume else "w", encoding="utf-8", newline="\n")
 
 
 def _view_mode(progress: Progress, console: Console, to_stdout: bool) -> str:

@@ -1,28 +1,26 @@
 """One `metrale generate` run: input lines through the engine to output lines.
 
 Contract: every non-blank input line gets exactly one output record, written
-and flushed as soon as it can be (``completed`` order: when its request
-finishes; ``input`` order: when every earlier line's record is out). Bad lines
-become error records and never stop the run. Standard output, when it is the
-output, carries JSONL only; people read standard error.
+as soon as it can be (``completed`` order: when its request finishes;
+``input`` order: when every earlier line's record is out; ``writer.py``).
+Bad lines become error records and never stop the run. Standard output, when
+it is the output, carries JSONL only; people read standard error.
 
-Exit status: 0 all lines succeeded, 1 some failed, 130 interrupted (Ctrl-C),
-141 the reader of standard output went away. On an interrupt, records held
-back for ``input`` order are written anyway (out of order: losing finished
-work is worse), and the summary of what finished is printed.
+Exit status: 0 all lines succeeded, 1 some failed, 74 the output could not be
+written (the first failed write stops the run; ``output.py``), 130/143
+stopped by SIGINT/SIGTERM (``stop.py``), 141 the reader of standard output
+went away. On a stop, records held back for ``input`` order are written
+anyway (out of order: losing finished work is worse), and the summary of what
+finished is printed with what to run next.
 """
 
 from __future__ import annotations
 
-import queue
-import sys
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any
 
 import orjson
 from rich.console import Console
@@ -32,7 +30,6 @@ from metrale.cli.jsonl import (
     LineDefaults,
     LineError,
     LineFormat,
-    LineRef,
     ParsedLine,
     Tokenizer,
     encode,
@@ -41,11 +38,15 @@ from metrale.cli.jsonl import (
 )
 from metrale.cli.live import RunCounters, live_view
 from metrale.cli.options import OutputOrder
-from metrale.cli.records import copy_figures, dumps, error_record, result_record
+from metrale.cli.output import LineSink, OutputFailed
+from metrale.cli.reader import count_lines, prefetched, read_lines
+from metrale.cli.records import copy_figures, error_record, result_record
+from metrale.cli.stop import Stopped, stop_status
+from metrale.cli.writer import Writer
 from metrale.engine.api import Request, Result
 from metrale.engine.stats import EngineStats
 
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 130, 141
+EXIT_OK, EXIT_FAILED, EXIT_OUTPUT_FAILED, EXIT_BROKEN_PIPE = 0, 1, 74, 141
 
 
 @dataclass
@@ -79,110 +80,7 @@ class RunPlan:
     settings: dict[str, Any]
 
 
-class Writer:
-    """Writes records in the plan's order, counting failures, flushing each."""
-
-    def __init__(self, out: IO[str], order: OutputOrder, counters: RunCounters) -> None:
-        self.out, self.order, self.counters = out, order, counters
-        self.expected: deque[int] = deque()  # line numbers owed a record, input order
-        self.held: dict[int, str] = {}
-        # Error records are put by the input reader, which an engine may run
-        # on its own thread; results are put by the thread driving the engine.
-        self.lock = threading.Lock()
-
-    def expect(self, number: int) -> None:
-        if self.order is OutputOrder.input:
-            with self.lock:
-                self.expected.append(number)
-
-    def put(self, number: int, record: dict[str, Any], failed: bool) -> None:
-        line = dumps(record)
-        with self.lock:
-            self.counters.failed += failed
-            if self.order is OutputOrder.completed:
-                self._write(line)
-                return
-            self.held[number] = line
-            while self.expected and self.expected[0] in self.held:
-                self._write(self.held.pop(self.expected.popleft()))
-
-    def release_held(self) -> None:
-        """Writes what is held back, in input order, gaps and all."""
-        with self.lock:
-            for number in sorted(self.held):
-                self._write(self.held.pop(number))
-
-    def _write(self, line: str) -> None:
-        # Counted first: a Ctrl-C raised as the flush returns must not leave a
-        # line on the output that the summary does not count.
-        self.counters.written += 1
-        self.out.write(line)
-        self.out.flush()
-
-
-def count_lines(inputs: tuple[str, ...]) -> int | None:
-    """Non-blank lines over all inputs; None when one is standard input."""
-    if "-" in inputs:
-        return None
-    total = 0
-    for path in inputs:
-        with open(path, "rb") as f:
-            total += sum(1 for line in f if line.strip())
-    return total
-
-
-def read_lines(inputs: tuple[str, ...]) -> Iterator[tuple[LineRef, bytes]]:
-    """Non-blank lines, lazily, numbered across inputs (blank lines count)."""
-    number = 0
-    for path in inputs:
-        stream = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
-        name = "<stdin>" if path == "-" else path
-        try:
-            for i, raw in enumerate(stream, start=1):
-                number += 1
-                if i == 1:
-                    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM some editors write
-                if raw.strip():
-                    yield LineRef(number, f"{name}:{i}"), raw
-        finally:
-            if stream is not sys.stdin.buffer:
-                stream.close()
-
-
-T = TypeVar("T")
-
-
-def prefetched(items: Iterator[T]) -> Iterator[T | None]:
-    """``items`` drawn on a reader thread; ``None`` whenever nothing new is
-    ready yet, which the engine takes as "decode what you hold" (see
-    ``Engine.generate``). A pipe whose writer is slow (a producer still
-    working, `tail -f`) then never holds back the requests already running.
-    An exception in the reader comes out here, where the items are consumed."""
-    ready: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-
-    def reader() -> None:
-        try:
-            for item in items:
-                ready.put(("item", item))
-        except BaseException as exc:  # handed to the consumer, which raises it
-            ready.put(("error", exc))
-        ready.put(("end", None))
-
-    threading.Thread(target=reader, name="metrale-input", daemon=True).start()
-    while True:
-        try:
-            kind, value = ready.get_nowait()
-        except queue.Empty:
-            yield None
-            continue
-        if kind == "end":
-            return
-        if kind == "error":
-            raise value
-        yield value
-
-
-def run(plan: RunPlan, backend: Backend, out: IO[str], console: Console) -> int:
+def run(plan: RunPlan, backend: Backend, out: LineSink, console: Console) -> int:
     """Generates every line of ``plan.inputs`` into ``out``; returns the exit status."""
     counters = RunCounters(total=count_lines(plan.inputs))
     writer = Writer(out, plan.order, counters)
@@ -212,6 +110,8 @@ def run(plan: RunPlan, backend: Backend, out: IO[str], console: Console) -> int:
             writer.put(ref.number, error_record(request), failed=True)
 
     status = EXIT_OK
+    stopped: KeyboardInterrupt | None = None
+    failure: OutputFailed | None = None
     started = time.monotonic()
     with live_view(console, backend.stats, counters, plan.progress):
         try:
@@ -221,26 +121,64 @@ def run(plan: RunPlan, backend: Backend, out: IO[str], console: Console) -> int:
                 parsed = pending.pop(int(result.request_id))
                 record = result_record(parsed, result, backend.name)
                 writer.put(parsed.ref.number, record, failed=result.error is not None)
-        except KeyboardInterrupt:
-            status = EXIT_INTERRUPTED
+        except KeyboardInterrupt as exc:
+            stopped, status = exc, stop_status(exc)
         except BrokenPipeError:
             status = EXIT_BROKEN_PIPE
+        except OutputFailed as exc:
+            failure = exc
         finally:
-            if status != EXIT_BROKEN_PIPE:
-                writer.release_held()
+            if failure is None and status != EXIT_BROKEN_PIPE:
+                try:
+                    writer.release_held()
+                except OutputFailed as exc:
+                    failure = exc
+                except BrokenPipeError:
+                    status = EXIT_BROKEN_PIPE
     wall_s = time.monotonic() - started
+    where = plan.output or "standard output"
     if plan.stats_json is not None:
         figures = run_figures(backend.stats(), counters, wall_s, backend.name, plan.settings)
-        figures["interrupted"] = status == EXIT_INTERRUPTED
-        plan.stats_json.parent.mkdir(parents=True, exist_ok=True)
-        plan.stats_json.write_bytes(
-            orjson.dumps(figures, default=_path_text, option=orjson.OPT_INDENT_2)
+        figures["interrupted"] = stopped is not None
+        try:
+            plan.stats_json.parent.mkdir(parents=True, exist_ok=True)
+            plan.stats_json.write_bytes(
+                orjson.dumps(figures, default=_path_text, option=orjson.OPT_INDENT_2)
+            )
+        except OSError as exc:
+            console.print(f"metrale: cannot write --stats-json {plan.stats_json}: {exc}")
+            status = EXIT_OUTPUT_FAILED if status == EXIT_OK else status
+    if failure is not None:
+        last = "the last one whole" if failure.whole else "the last one may be cut off"
+        console.print(
+            f"metrale: {failure}; stopped with {counters.written} lines written, {last}. "
+            f"Free some space (or mend the device), then {_next_run(plan)}"
         )
-    if status == EXIT_INTERRUPTED:
-        console.print(f"metrale: interrupted; {counters.written} lines written")
+        return EXIT_OUTPUT_FAILED
+    if stopped is not None:
+        console.print(
+            f"metrale: {_stop_text(stopped)}; {counters.written} lines written to {where}. "
+            f"To answer the rest, {_next_run(plan)}"
+        )
     if status == EXIT_OK and counters.failed:
         status = EXIT_FAILED
     return status
+
+
+def _stop_text(exc: KeyboardInterrupt) -> str:
+    if isinstance(exc, Stopped) and exc.name != "SIGINT":
+        return f"stopped by {exc.name}"
+    return "interrupted"
+
+
+def _next_run(plan: RunPlan) -> str:
+    """What to run to answer the lines this run did not."""
+    if plan.output is not None:
+        return "run the same command again with --resume."
+    return (
+        "run it again with -o FILE --resume, FILE holding what standard output received "
+        "(--resume repairs a line cut off at its end)."
+    )
 
 
 def _path_text(value: object) -> str:
