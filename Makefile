@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The shipped sample workload `make run` generates on.
 RUN_INPUT ?= sample_prompts/code_edits.jsonl
 
-.PHONY: all setup run test lint typecheck pytest docs bench bench-lookup bench-runtime bench-kernel bench-gguf bench-engine bench-startup bench-grammar bench-ray bench-budget bench-cli bench-ablation mtp-head mtp-eval gpu-check gpu-wheels clean
+.PHONY: all setup run test lint typecheck pytest docs bench bench-lookup bench-runtime bench-kernel bench-gguf bench-engine bench-startup bench-grammar bench-ray bench-memory bench-budget bench-cli bench-ablation mtp-head mtp-eval gpu-check gpu-wheels clean
 
 all: test
 
@@ -133,6 +133,13 @@ bench-cli: setup
 # the outputs checked identical, tok/s of both and their ratio.
 bench-ray: setup
 	$(PY) -m metrale.cli.bench_ray
+
+# Peak memory of whole `metrale generate` processes streaming 10,000 and
+# 100,000 short lines (1 KiB of metadata each) through standard input on the
+# tiny test checkpoint, --order completed and --order input behind a slow
+# first line. Writes the bench-memory section of docs/benchmarks.md.
+bench-memory: setup
+	$(PY) -m tests.support.memory_runs
 
 # The MTP head shipped for the embedded SmolLM2-135M-Instruct, from scratch:
 # instruct prompts over standard-library code and docs, JSON and prose

@@ -6,6 +6,11 @@ as soon as it can be (``completed`` order: when its request finishes;
 Bad lines become error records and never stop the run. Standard output, when
 it is the output, carries JSONL only; people read standard error.
 
+Memory does not grow with the input: lines are read as the engine takes
+them, standard input through a bounded queue, and under ``input`` order the
+reader waits while too many finished records are held back behind a slow
+line (``Writer.backed_up``).
+
 Exit status: 0 all lines succeeded, 1 some failed, 74 the output could not be
 written (the first failed write stops the run; ``output.py``), 130/143
 stopped by SIGINT/SIGTERM (``stop.py``), 141 the reader of standard output
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +47,7 @@ from metrale.cli.output import LineSink, OutputFailed
 from metrale.cli.reader import count_lines, prefetched, read_lines
 from metrale.cli.records import copy_figures, error_record, result_record
 from metrale.cli.stop import Stopped, stop_status
-from metrale.cli.writer import Writer
+from metrale.cli.writer import HeldLimit, Writer
 from metrale.engine.api import Request, Result
 from metrale.engine.stats import EngineStats
 
@@ -78,20 +83,23 @@ class RunPlan:
     progress: str  # "live", "plain" or "off", already resolved
     defaults: LineDefaults
     settings: dict[str, Any]
+    held: HeldLimit = field(default_factory=HeldLimit)
 
 
 def run(plan: RunPlan, backend: Backend, out: LineSink, console: Console) -> int:
     """Generates every line of ``plan.inputs`` into ``out``; returns the exit status."""
     counters = RunCounters(total=count_lines(plan.inputs))
-    writer = Writer(out, plan.order, counters)
+    writer = Writer(out, plan.order, counters, plan.held)
     defaults = replace(
         plan.defaults, params=replace(plan.defaults.params, eos_token_ids=backend.eos_token_ids)
     )
     pending: dict[int, ParsedLine] = {}
 
-    def requests() -> Iterator[Request]:
+    def requests() -> Iterator[Request | None]:
         fallback: LineFormat = "simple"
         for ref, raw in read_lines(plan.inputs):
+            while writer.backed_up():  # the engine decodes on; the slow line is among its own
+                yield None
             parsed = parse_line(ref, raw, defaults, fallback)
             fallback = parsed.format
             if id_key(parsed.output_id) in plan.skip_ids:

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from metrale.cli.main import app
 from tests.support.broken_models import Broken, write_broken_models
 from tests.support.checkpoints import write_tiny_checkpoint
+from tests.support.memory_runs import stream_run
 
 METRALE = Path(sys.executable).parent / "metrale"
 ENV = {"COLUMNS": "400", "NO_COLOR": "1"}
@@ -267,3 +268,15 @@ def test_a_broken_model_stops_the_cli_before_it_reads_a_line(broken: dict[str, B
     assert proc.stderr is not None
     stderr = proc.stderr.read().decode()
     assert "is truncated" in stderr and "Traceback" not in stderr
+
+
+def test_a_slow_first_line_under_input_order_holds_back_a_bounded_pile(
+    tiny: Path, tmp_path: Path
+) -> None:
+    # Every line behind the first finishes before it. The writer holds at
+    # most 4,096 of their records (about 17 MiB of 4 KiB records here), the
+    # input waiting for the rest; held without a bound, all 12,000 would
+    # take about 50 MiB. Measured from the point 1,000 lines were read.
+    peak = stream_run(tiny, tmp_path / "out.jsonl", 12_000, "input", True, metadata_bytes=4000)
+    assert peak.end_kib - peak.early_kib < 40 * 1024, peak
+    assert peak.end_kib < 2 * 1024 * 1024, peak  # the tiny model's process, generously
