@@ -151,12 +151,13 @@ def metrale_run(
     script = Path(sys.executable).with_name("metrale")
     command = [
         str(script), "generate", str(work / "lines.jsonl"), "--model", str(path),
-        "--max-batch", "1", "--threads", str(threads), *flags,
+        "--max-batch", "1", *flags,
         "-o", str(output), "--stats-json", str(stats), "--progress", "off",
     ]  # fmt: skip
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("METRALE_") or k == "METRALE_HOME"
     }
+    env["OMP_NUM_THREADS"] = str(threads)  # torch's threads: generate has no flag for them
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr[-2000:]}")
