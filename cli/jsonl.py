@@ -9,7 +9,7 @@ a terminal: the command feeds ``Request``s to the engine and writes records.
 Formats (docs/formats.md):
 
 - simple: ``{"id"?, "prompt" | "messages", "max_tokens"?, "temperature"?,
-  "top_p"?, "top_k"?, "seed"?, "stop"?, "scope"?, "metadata"?,
+  "top_p"?, "top_k"?, "seed"?, "stop"?, "logprobs"?, "scope"?, "metadata"?,
   "json_schema" | "regex" | "choice"?}``; its output ``id`` is the input's,
   else the line number (1-based, counted across all inputs of the run).
 - OpenAI Batch API: ``{"custom_id", "method": "POST", "url":
@@ -34,7 +34,7 @@ import orjson
 
 from metrale.cli.faults import LineFault
 from metrale.cli.grammar_fields import SIMPLE_GRAMMAR_FIELDS, batch_grammar, simple_grammar
-from metrale.engine.api import Grammar, Request, SamplingParams
+from metrale.engine.api import MAX_TOP_LOGPROBS, Grammar, Request, SamplingParams
 from metrale.engine.prompts import Tokenizer, chat_prompt_ids, content_text, text_prompt_ids
 
 LineFormat = Literal["simple", "chat", "completion"]
@@ -44,7 +44,7 @@ BATCH_URLS: dict[str, LineFormat] = {
 }
 SIMPLE_FIELDS = frozenset(
     {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed"}
-    | {"stop", "scope", "metadata", *SIMPLE_GRAMMAR_FIELDS}
+    | {"stop", "logprobs", "scope", "metadata", *SIMPLE_GRAMMAR_FIELDS}
 )
 # Batch bodies carry more than metrale honours. These are accepted and ignored:
 BODY_IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options"})
@@ -53,8 +53,6 @@ BODY_IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", 
 BODY_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "stream": (False,),
-    "logprobs": (False, None),
-    "top_logprobs": (None, 0),
     "echo": (False,),
     "best_of": (1,),
     "frequency_penalty": (0, 0.0),
@@ -204,6 +202,8 @@ def _parse_simple(
         raise LineFault("id", "must be a string or an integer")
     prompt, messages = _prompt_or_messages(obj, "")
     params = _params(obj, "", defaults.params, ref.number, obj.get("max_tokens"))
+    if obj.get("logprobs") is not None:
+        params = replace(params, logprobs=_top(obj["logprobs"], "logprobs"))
     scope = _scope(obj.get("scope", defaults.scope), "scope")
     grammar = _without_stops(simple_grammar(obj) or defaults.grammar, params, "stop")
     return ParsedLine(
@@ -219,7 +219,8 @@ def _parse_body(
         if key in body and body[key] not in allowed:
             raise LineFault(f"body.{key}", f"is not supported (only {allowed[0]!r})")
     known = {"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature"}
-    known |= {"top_p", "top_k", "seed", "stop", "response_format"}
+    known |= {"top_p", "top_k", "seed", "stop", "response_format", "logprobs"}
+    known |= {"top_logprobs"} if fmt == "chat" else set()
     known |= BODY_IGNORED | set(BODY_DEFAULTS)
     unknown = sorted(set(body) - known)
     if unknown:
@@ -231,12 +232,37 @@ def _parse_body(
     prompt, messages = _prompt_or_messages(body, "body.")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     params = _params(body, "body.", defaults.params, ref.number, max_tokens)
+    params = replace(params, logprobs=_body_logprobs(body, fmt))
     scope = _scope(obj.get("scope", defaults.scope), "scope")
     # An explicit response_format (text included) wins over --json-schema.
     named = body.get("response_format") is not None
     grammar = batch_grammar(body) if named else defaults.grammar
     grammar = _without_stops(grammar, params, "body.stop")
     return ParsedLine(ref, fmt, custom_id, params, scope, prompt, messages, grammar=grammar)
+
+
+def _body_logprobs(body: dict[str, Any], fmt: LineFormat) -> int | None:
+    """How many alternatives a token's logprobs list (None: no logprobs).
+    Chat: ``logprobs: true`` and ``top_logprobs`` 0-20; completions: an
+    integer ``logprobs`` 0-20."""
+    value = body.get("logprobs")
+    if fmt == "completion":
+        return None if value is None else _top(value, "body.logprobs")
+    if value not in (True, False, None):
+        raise LineFault("body.logprobs", f"must be true or false, got {value!r}")
+    top = body.get("top_logprobs")
+    if top is not None and value is not True:
+        raise LineFault("body.top_logprobs", "needs logprobs: true")
+    if value is not True:
+        return None
+    return 0 if top is None else _top(top, "body.top_logprobs")
+
+
+def _top(value: Any, name: str) -> int:
+    count = _int(value, name, 0)
+    if count > MAX_TOP_LOGPROBS:
+        raise LineFault(name, f"must be at most {MAX_TOP_LOGPROBS}, got {count}")
+    return count
 
 
 def _without_stops(

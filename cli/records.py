@@ -3,7 +3,8 @@
 Contract: a line answered in the simple format gets a simple record; a batch
 line gets an OpenAI batch output line (``id``, ``custom_id``, ``response:
 {status_code, request_id, body}``, ``error``), with a ``chat.completion`` or
-``text_completion`` body and ``usage``. Errors keep the input's format: a
+``text_completion`` body and its usage, and the tokens' logprobs where the
+line asked (``logprobs.py``). Errors keep the input's format: a
 simple error record carries ``finish_reason: "error"`` and ``error: {line,
 field, message}``; a batch one answers status 400 (bad line) or 500 (the
 engine failed it) with an OpenAI-style error body.
@@ -22,6 +23,7 @@ from typing import Any
 import orjson
 
 from metrale.cli.jsonl import LineError, LineFormat, ParsedLine, id_key
+from metrale.cli.logprobs import chat_logprobs, completion_logprobs, simple_logprobs
 from metrale.engine.api import RequestStats, Result
 from metrale.engine.stats import EngineStats
 
@@ -43,6 +45,7 @@ def result_record(parsed: ParsedLine, result: Result, model_name: str) -> dict[s
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
     }
+    logprobs, tokens = result.logprobs, result.token_bytes
     if parsed.format == "simple":
         record: dict[str, Any] = {
             "id": parsed.output_id,
@@ -51,6 +54,8 @@ def result_record(parsed: ParsedLine, result: Result, model_name: str) -> dict[s
             "usage": usage,
             "speculation": speculation(result.stats, parsed.grammar is not None),
         }
+        if logprobs is not None:
+            record["logprobs"] = simple_logprobs(logprobs, tokens)
         if parsed.metadata is not None:
             record["metadata"] = parsed.metadata
         return record
@@ -66,7 +71,7 @@ def result_record(parsed: ParsedLine, result: Result, model_name: str) -> dict[s
                     "index": 0,
                     "message": {"role": "assistant", "content": result.text},
                     "finish_reason": result.finish_reason,
-                    "logprobs": None,
+                    "logprobs": chat_logprobs(logprobs, tokens) if logprobs is not None else None,
                 }
             ],
             "usage": usage,
@@ -82,7 +87,9 @@ def result_record(parsed: ParsedLine, result: Result, model_name: str) -> dict[s
                     "index": 0,
                     "text": result.text,
                     "finish_reason": result.finish_reason,
-                    "logprobs": None,
+                    "logprobs": completion_logprobs(logprobs, tokens)
+                    if logprobs is not None
+                    else None,
                 }
             ],
             "usage": usage,

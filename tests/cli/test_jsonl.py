@@ -57,6 +57,27 @@ def test_simple_line_overrides_the_run_defaults_field_by_field() -> None:
     assert ok({"id": "x", "prompt": "p", "seed": 1}).params.seed == 1
 
 
+def chat(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat Batch line with ``body`` beside one message."""
+    messages = [{"role": "user", "content": "hi"}]
+    return {"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": messages, **body}}
+
+
+def test_logprobs_fields_ask_for_the_top_alternatives_in_each_format() -> None:
+    assert ok({"prompt": "p"}).params.logprobs is None
+    assert ok({"prompt": "p", "logprobs": 0}).params.logprobs == 0
+    assert ok({"prompt": "p", "logprobs": 20}).params.logprobs == 20
+    assert ok(chat({})).params.logprobs is None
+    assert ok(chat({"logprobs": False, "top_logprobs": None})).params.logprobs is None
+    assert ok(chat({"logprobs": True})).params.logprobs == 0
+    assert ok(chat({"logprobs": True, "top_logprobs": 5})).params.logprobs == 5
+    body: dict[str, Any] = {"prompt": "p"}
+    completion = {"custom_id": "c", "url": "/v1/completions", "body": body}
+    assert ok(completion).params.logprobs is None
+    body["logprobs"] = 3
+    assert ok(completion).params.logprobs == 3
+
+
 def test_batch_lines_are_detected_by_custom_id_and_url() -> None:
     chat = ok(
         {
@@ -119,6 +140,24 @@ def test_batch_lines_are_detected_by_custom_id_and_url() -> None:
         (
             {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "a", "tools": [1]}},
             "body.tools",
+        ),
+        ({"prompt": "a", "logprobs": 21}, "logprobs"),
+        ({"prompt": "a", "logprobs": True}, "logprobs"),
+        (chat({"logprobs": True, "top_logprobs": 21}), "body.top_logprobs"),
+        (chat({"logprobs": True, "top_logprobs": -1}), "body.top_logprobs"),
+        (chat({"top_logprobs": 3}), "body.top_logprobs"),
+        (chat({"logprobs": 3}), "body.logprobs"),
+        (
+            {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "a", "logprobs": 21}},
+            "body.logprobs",
+        ),
+        (
+            {
+                "custom_id": "c",
+                "url": "/v1/completions",
+                "body": {"prompt": "a", "top_logprobs": 2},
+            },
+            "body.top_logprobs",
         ),
     ],
 )
