@@ -13,8 +13,9 @@ Formats (docs/formats.md):
   "json_schema" | "regex" | "choice"?}``; its output ``id`` is the input's,
   else the line number (1-based, counted across all inputs of the run).
 - OpenAI Batch API: ``{"custom_id", "method": "POST", "url":
-  "/v1/chat/completions" | "/v1/completions", "body": {...}}``, the body's
-  ``response_format`` a JSON schema, a JSON object or text.
+  "/v1/chat/completions" | "/v1/completions" | "/v1/responses", "body":
+  {...}}``, the body's ``response_format`` a JSON schema, a JSON object or
+  text; a responses body is read by ``responses.py``.
 
 A line's grammar (``grammar_fields.py``) is checked here, so a schema or
 regex that does not compile is an error record naming its field.
@@ -34,13 +35,15 @@ import orjson
 
 from metrale.cli.faults import LineFault
 from metrale.cli.grammar_fields import SIMPLE_GRAMMAR_FIELDS, batch_grammar, simple_grammar
+from metrale.cli.responses import read_body
 from metrale.engine.api import MAX_TOP_LOGPROBS, Grammar, Request, SamplingParams
 from metrale.engine.prompts import Tokenizer, chat_prompt_ids, content_text, text_prompt_ids
 
-LineFormat = Literal["simple", "chat", "completion"]
+LineFormat = Literal["simple", "chat", "completion", "response"]
 BATCH_URLS: dict[str, LineFormat] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
+    "/v1/responses": "response",
 }
 SIMPLE_FIELDS = frozenset(
     {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed"}
@@ -98,6 +101,7 @@ class ParsedLine:
     messages: tuple[dict[str, str], ...] | None = None
     metadata: Any = None
     grammar: Grammar | None = None
+    echo: dict[str, Any] | None = None  # what a response object repeats of its body
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,8 @@ def _parse_body(
     ref: LineRef, fmt: LineFormat, custom_id: str, obj: dict[str, Any], defaults: LineDefaults
 ) -> ParsedLine:
     body: dict[str, Any] = obj["body"]
+    if fmt == "response":
+        return _parse_responses(ref, custom_id, obj, defaults)
     for key, allowed in BODY_DEFAULTS.items():
         if key in body and body[key] not in allowed:
             raise LineFault(f"body.{key}", f"is not supported (only {allowed[0]!r})")
@@ -239,6 +245,20 @@ def _parse_body(
     grammar = batch_grammar(body) if named else defaults.grammar
     grammar = _without_stops(grammar, params, "body.stop")
     return ParsedLine(ref, fmt, custom_id, params, scope, prompt, messages, grammar=grammar)
+
+
+def _parse_responses(
+    ref: LineRef, custom_id: str, obj: dict[str, Any], defaults: LineDefaults
+) -> ParsedLine:
+    """A ``/v1/responses`` body (``responses.py``), checked as a chat body is."""
+    read = read_body(obj["body"])
+    max_tokens = read.sampling.get("max_tokens")
+    params = _params(read.sampling, "body.", defaults.params, ref.number, max_tokens)
+    scope = _scope(obj.get("scope", defaults.scope), "scope")
+    grammar = read.grammar if read.named_format else defaults.grammar
+    return ParsedLine(
+        ref, "response", custom_id, params, scope, None, read.messages, None, grammar, read.echo
+    )
 
 
 def _body_logprobs(body: dict[str, Any], fmt: LineFormat) -> int | None:

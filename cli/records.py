@@ -2,9 +2,10 @@
 
 Contract: a line answered in the simple format gets a simple record; a batch
 line gets an OpenAI batch output line (``id``, ``custom_id``, ``response:
-{status_code, request_id, body}``, ``error``), with a ``chat.completion`` or
-``text_completion`` body and its usage, and the tokens' logprobs where the
-line asked (``logprobs.py``). Errors keep the input's format: a
+{status_code, request_id, body}``, ``error``), with a ``chat.completion``,
+``text_completion`` or ``response`` body and its usage, and the tokens'
+logprobs where the line asked (``logprobs.py``). Every body parses as the
+``openai`` package's type for it. Errors keep the input's format: a
 simple error record carries ``finish_reason: "error"`` and ``error: {line,
 field, message}``; a batch one answers status 400 (bad line) or 500 (the
 engine failed it) with an OpenAI-style error body.
@@ -24,6 +25,7 @@ import orjson
 
 from metrale.cli.jsonl import LineError, LineFormat, ParsedLine, id_key
 from metrale.cli.logprobs import chat_logprobs, completion_logprobs, simple_logprobs
+from metrale.cli.responses import response_object
 from metrale.engine.api import RequestStats, Result
 from metrale.engine.stats import EngineStats
 
@@ -76,6 +78,9 @@ def result_record(parsed: ParsedLine, result: Result, model_name: str) -> dict[s
             ],
             "usage": usage,
         }
+    elif parsed.format == "response":
+        sampling = {"temperature": parsed.params.temperature, "top_p": parsed.params.top_p}
+        body = response_object(n, result, model_name, parsed.echo or {}, sampling)
     else:
         body = {
             "id": f"cmpl-{n}",
