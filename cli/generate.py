@@ -49,6 +49,7 @@ from metrale.cli.options import (
     PromptLookupMaxSeqsOpt,
     PromptLookupMinMatchOpt,
     PromptLookupNgramOpt,
+    RayMaxRetriesOpt,
     RayOpt,
     RayWorkersOpt,
     RevisionOpt,
@@ -209,10 +210,11 @@ def generate(
     ] = Progress.auto,
     ray: RayOpt = None,
     ray_workers: RayWorkersOpt = None,
+    ray_max_retries: RayMaxRetriesOpt = None,
 ) -> None:
     """Generate completions for JSONL prompts (simple or OpenAI Batch format)."""
     sources, out_path = _io_paths(inputs, output, resume)
-    cluster = _ray_settings(ray, ray_workers)
+    cluster = _ray_settings(ray, ray_workers, ray_max_retries)
     try:
         engine_cfg = EngineConfig(
             max_batch=max_batch,
@@ -309,17 +311,23 @@ def _io_paths(
     return sources, out_path
 
 
-def _ray_settings(address: str | None, workers: int | None) -> RaySettings | None:
-    """``--ray``/``--ray-workers``, checked (Ray installed) before anything loads."""
+def _ray_settings(
+    address: str | None, workers: int | None, max_retries: int | None
+) -> RaySettings | None:
+    """``--ray``/``--ray-workers``/``--ray-max-retries``, checked (Ray
+    installed) before anything loads."""
     if address is None:
-        if workers is not None:
-            raise typer.BadParameter("needs --ray ADDRESS|local", param_hint="--ray-workers")
+        for flag, value in (("--ray-workers", workers), ("--ray-max-retries", max_retries)):
+            if value is not None:
+                raise typer.BadParameter("needs --ray ADDRESS|local", param_hint=flag)
         return None
     problem = ray_problem()
     if problem is not None:
         raise typer.BadParameter(problem, param_hint="--ray")
     try:
-        return RaySettings(address, workers)
+        if max_retries is None:
+            return RaySettings(address, workers)
+        return RaySettings(address, workers, max_retries)
     except ValueError as exc:
         raise config_error(exc) from exc
 

@@ -89,6 +89,7 @@ RANGES: dict[str, Range] = {
     "--gen-batch": Range(1, 4096),
     # generate on a Ray cluster
     "--ray-workers": Range(1, 1 << 16),
+    "--ray-max-retries": Range(0, 100),
 }
 
 
@@ -301,6 +302,15 @@ RayWorkersOpt = Annotated[
         panel=CLUSTER,
     ),
 ]
+RayMaxRetriesOpt = Annotated[
+    int | None,
+    option(
+        "--ray-max-retries",
+        "Tries again a line whose worker died (killed, its node lost, its engine "
+        "crashed); past them the line gets an error record. Default: 3.",
+        panel=CLUSTER,
+    ),
+]
 PromptLookupMaxDraftsOpt = Annotated[
     int, option("--prompt-lookup-max-drafts", "Longest copy.", panel=SPECULATION)
 ]
@@ -378,6 +388,7 @@ FIELD_FLAGS: dict[str, str] = {
     "seed": "--seed",
     "ray": "--ray",
     "ray_workers": "--ray-workers",
+    "max_retries": "--ray-max-retries",
 }
 # "max_batch must be at least 1" or "mtp_ladder: empty ladder"
 _FIELD_MESSAGE = re.compile(r"([a-z][a-z0-9_]*)(?:: | (?=must ))(.+)", re.DOTALL)

@@ -16,6 +16,12 @@ A window closes at ``window`` requests, or sooner when the input has nothing
 more ready (a slow pipe), so a conversation driver still gets each answer
 before it writes the next line. Results reach the output a window at a time.
 
+A worker lost on the way (its process killed, its node gone, its engine
+crashed) is restarted by Ray, which runs its windows again; the run's
+``TryLedger`` (``ray_tries.py``) makes those tries bounded per line, so a
+line that keeps killing its worker gets an error record
+(``--ray-max-retries``) and the job goes on.
+
 Figures: each window's row carries its worker's cumulative ``EngineStats``;
 the cluster's are their sum (``cluster_stats.py``), its wall time counted from
 the first engine's start (model loading excluded, as in one process).
@@ -37,6 +43,7 @@ from typing import Any
 from metrale.cli.cluster_stats import WorkerStats
 from metrale.cli.options import with_flags
 from metrale.cli.ray_feed import Feeder, windows
+from metrale.cli.ray_tries import DEFAULT_MAX_RETRIES, TryLedger
 from metrale.cli.run import Backend
 from metrale.engine.api import Request, Result
 from metrale.engine.config import EngineConfig, RuntimeConfig
@@ -66,16 +73,20 @@ def ray_problem() -> str | None:
 class RaySettings:
     """``address``: ``"local"`` (this process's Ray, else a new one on this
     machine) or a cluster's (``auto``, ``host:6379``, ``ray://host:10001``);
-    ``workers``: engines to start (None: one per GPU, else one)."""
+    ``workers``: engines to start (None: one per GPU, else one);
+    ``max_retries``: tries again of a line whose worker died (``ray_tries.py``)."""
 
     address: str
     workers: int | None = None
+    max_retries: int = DEFAULT_MAX_RETRIES
 
     def __post_init__(self) -> None:
         if not self.address:
             raise ValueError("ray: give a cluster address or 'local'")
         if self.workers is not None and self.workers < 1:
             raise ValueError(f"ray_workers must be at least 1, got {self.workers}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be at least 0, got {self.max_retries}")
 
 
 @dataclass(frozen=True)
@@ -166,6 +177,7 @@ def open_ray_backend(
         generate=pipeline.generate,
         stats=pipeline.stats,
         limit=with_flags(limit),
+        notes=pipeline.notes,
     )
 
 
@@ -176,6 +188,7 @@ class RayPipeline:
         self, settings: RaySettings, model: str | None, runtime: RuntimeConfig, engine: EngineConfig
     ) -> None:
         self.model, self.engine = model, engine
+        self.max_retries = settings.max_retries
         self.card: Any = None
         self.owns_ray = _connect(settings.address)
         import ray
@@ -186,18 +199,31 @@ class RayPipeline:
         self.window = max(1, engine.max_batch // 4)
         self._workers = WorkerStats()
         self._checked: set[str] = set()
+        self._again, self._given_up = 0, 0
 
     def stats(self) -> EngineStats:
         return self._workers.total()
 
+    def notes(self) -> list[str]:
+        """What became of the windows whose worker died, when any did."""
+        if not self._again:
+            return []
+        return [
+            f"windows ran again {self._again} times after the Ray worker running them died; "
+            f"{self._given_up} lines given up (--ray-max-retries {self.max_retries}), "
+            "their error records in the output"
+        ]
+
     def generate(self, requests: Iterable[Request | None]) -> Iterator[Result]:
         """Results as their windows come back (module doc)."""
+        import ray
         from ray.util.queue import Queue
 
         inbox = Queue(maxsize=2 * WINDOWS_PER_WORKER * self.plan.count)
         feeder = Feeder(windows(requests, self.window), inbox)
+        ledger = self._ledger()
         try:
-            for batch in self._dataset(inbox).iter_batches(
+            for batch in self._dataset(inbox, ledger).iter_batches(
                 batch_size=None, batch_format="numpy", prefetch_batches=0
             ):
                 rows = zip(
@@ -208,15 +234,25 @@ class RayPipeline:
                     self._workers.update(str(worker), pickle.loads(stats))
                     yield from pickle.loads(results)
             feeder.finish()
+            self._again, self._given_up = ray.get(ledger.counts.remote())
         finally:
             self._workers.freeze()
             feeder.stop()
+            ray.kill(ledger)  # a driver that stays (a notebook, a test) keeps no actor
             if self.owns_ray:
-                import ray
-
                 ray.shutdown()
 
-    def _dataset(self, inbox: Any) -> Any:
+    def _ledger(self) -> Any:
+        """The run's ``TryLedger`` actor, on the driver's node: it lives and
+        dies with the job, whatever becomes of the workers' nodes."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        actor = ray.remote(TryLedger).options(num_cpus=0, scheduling_strategy=here)
+        return actor.remote(self.max_retries)
+
+    def _dataset(self, inbox: Any, ledger: Any) -> Any:
         import ray.data
         from ray.data import ActorPoolStrategy
 
@@ -237,7 +273,7 @@ class RayPipeline:
             WindowSource(inbox), override_num_blocks=1, num_cpus=0
         ).map_batches(
             EngineWorker,
-            fn_constructor_args=(self.model, plan.runtime, self.engine, plan.threads),
+            fn_constructor_args=(self.model, plan.runtime, self.engine, plan.threads, ledger),
             batch_size=1,
             batch_format="numpy",
             compute=ActorPoolStrategy(
@@ -248,6 +284,10 @@ class RayPipeline:
             ),
             num_cpus=plan.num_cpus,
             num_gpus=plan.num_gpus,
+            # Ray Data's actor pools restart a dead actor and retry its tasks
+            # without limit (max_restarts=-1, max_task_retries=-1 by default;
+            # the test that kills a worker relies on it): the ledger bounds
+            # the tries of each line instead.
         )
 
     def _check(self, worker: str, card_bytes: bytes) -> None:

@@ -67,6 +67,9 @@ class Backend:
     # Why sequences get max_len positions (``ModelInfo.kv_limit``), quoted
     # by the error record of a line too long for them; "" says nothing more.
     limit: str = ""
+    # What the backend has to tell people once the run is over (a Ray
+    # worker lost on the way), printed after the final view.
+    notes: Callable[[], list[str]] = lambda: []
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,8 @@ def run(plan: RunPlan, backend: Backend, out: LineSink, console: Console) -> int
                 except BrokenPipeError:
                     status = EXIT_BROKEN_PIPE
     wall_s = time.monotonic() - started
+    for note in backend.notes():
+        console.print(f"metrale: {note}")
     where = plan.output or "standard output"
     if plan.stats_json is not None:
         figures = run_figures(backend.stats(), counters, wall_s, backend.name, plan.settings)

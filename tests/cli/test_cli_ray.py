@@ -1,5 +1,6 @@
 """`metrale generate --ray` on a local Ray instance of 2 CPUs with the tiny
-checkpoint: what it writes is, line for line, what one process writes."""
+checkpoint: what it writes is, line for line, what one process writes, also
+when a worker is killed mid-job or a line kills every worker that runs it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,7 +134,7 @@ def test_ray_local_writes_what_one_process_writes_line_for_line(
         assert cluster[key] == figures[key], key
     assert cluster["prompt_lookup"] == figures["prompt_lookup"]
     assert cluster["mtp"]["proposed"] == figures["mtp"]["proposed"]
-    assert cluster["settings"]["ray"] == {"address": "local", "workers": 2}
+    assert cluster["settings"]["ray"] == {"address": "local", "workers": 2, "max_retries": 3}
     # ...and the view on standard error shows them.
     done = f"{len(LINES)}/{len(LINES)} requests, {NUM_FAILED} failed"
     assert f"{done}, {figures['generated_tokens']} tokens" in result.stderr
@@ -175,6 +177,133 @@ def test_a_killed_ray_run_resumes_with_every_line_answered_once(
     ids = [_key(orjson.loads(x)) for x in lines]
     assert sorted(ids) == sorted(_key(orjson.loads(x)) for x in expected)  # each once
     assert sorted(lines) == sorted(expected)
+
+
+def test_a_worker_killed_mid_job_loses_nothing_and_duplicates_nothing(
+    tiny: Path,
+    source: Path,
+    local_ray: str,
+    one_process: tuple[list[bytes], dict[str, Any]],
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out.jsonl"
+    args = [str(source), "--model", str(tiny), *ARGS, "-o", str(out), "--order", "input"]
+    proc = subprocess.Popen(
+        [str(METRALE), "generate", *args, "--ray", local_ray, "--ray-workers", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **ENV},
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while len(workers := _engine_workers()) < 2 or _count_lines(out) < 3:
+            assert proc.poll() is None, proc.communicate()[1].decode()
+            assert time.monotonic() < deadline, "no lines written in 180 s"
+            time.sleep(0.01)
+        os.kill(workers[0], signal.SIGKILL)  # as a lost spot instance: no goodbye
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    stderr = err.decode()
+    assert proc.returncode == 1, stderr  # the input's two bad lines, nothing else
+    assert "windows ran again" in stderr and "0 lines given up" in stderr
+    expected, _ = one_process
+    assert comparable(out) == expected  # every line once, in order, every field
+    assert "Traceback" not in stderr
+
+
+# The real CLI with workers whose process dies whenever their engine takes a
+# line holding POISON (a line that crashes every engine, or kills its host).
+POISONED_CLI = textwrap.dedent(
+    """
+    import os, sys
+    from metrale.cli import ray_worker
+    from metrale.cli.main import app
+
+    class PoisonedWorker(ray_worker.EngineWorker):
+        def _requests(self):
+            for request in super()._requests():
+                if request is not None and b"POISON" in bytes(
+                    i for i in request.prompt_ids if i < 256
+                ):
+                    os._exit(1)
+                yield request
+
+    ray_worker.EngineWorker = PoisonedWorker
+    sys.argv[0] = "metrale"
+    app()
+    """
+)
+
+
+def test_a_line_that_kills_every_worker_gets_an_error_record_and_the_job_goes_on(
+    tiny: Path,
+    source: Path,
+    local_ray: str,
+    one_process: tuple[list[bytes], dict[str, Any]],
+    tmp_path: Path,
+) -> None:
+    poisoned = tmp_path / "in.jsonl"
+    poison = {
+        "custom_id": "poison",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"prompt": "POISON POISON", "max_tokens": 8},
+    }
+    data = source.read_bytes().splitlines(keepends=True)
+    poisoned.write_bytes(b"".join(data[:5]) + orjson.dumps(poison) + b"\n" + b"".join(data[5:]))
+    out = tmp_path / "out.jsonl"
+    args = [str(poisoned), "--model", str(tiny), *ARGS, "-o", str(out)]
+    args += ["--ray", local_ray, "--ray-workers", "2", "--ray-max-retries", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-c", POISONED_CLI, "generate", *args],
+        capture_output=True,
+        env={**os.environ, **ENV},
+        timeout=600,
+    )
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 1, stderr
+    records = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    (failed,) = [r for r in records if r.get("custom_id") == "poison"]
+    assert failed["response"]["status_code"] == 500
+    error = failed["response"]["body"]["error"]
+    assert error["type"] == "server_error"
+    assert "the Ray worker running this line died on each of its 2 tries" in error["message"]
+    assert "1 lines given up (--ray-max-retries 1)" in stderr
+    expected, _ = one_process
+    others = [r for r in records if r.get("custom_id") != "poison"]
+    assert answers(others) == answers([orjson.loads(x) for x in expected])
+
+
+def answers(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each line's answer by its id: its text, or that it failed."""
+    out: dict[str, Any] = {}
+    for r in records:
+        key = _key(r)
+        assert key not in out, f"{key} answered twice"
+        if is_failure(r):
+            out[key] = "failed"
+        elif "custom_id" in r:
+            choice = r["response"]["body"]["choices"][0]
+            out[key] = choice.get("text", choice.get("message", {}).get("content"))
+        else:
+            out[key] = r["text"]
+    return out
+
+
+def _engine_workers() -> list[int]:
+    """Pids of the live Ray actor processes running an ``EngineWorker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"EngineWorker" in cmdline and cmdline.startswith(b"ray::"):
+            pids.append(int(entry.name))
+    return sorted(pids)
 
 
 def _count_lines(path: Path) -> int:

@@ -90,6 +90,8 @@ def test_settings_validate_their_fields() -> None:
         RaySettings("local", 0)
     with pytest.raises(ValueError, match="ray: give a cluster address"):
         RaySettings("")
+    with pytest.raises(ValueError, match="max_retries must be at least 0"):
+        RaySettings("local", None, -1)
 
 
 def invoke(args: list[str]) -> object:
@@ -106,16 +108,23 @@ def test_ray_not_installed_is_a_usage_error_naming_the_extra(
     assert "--ray" in message and "pip install 'metrale[ray]'" in message
 
 
-def test_ray_workers_without_ray_is_a_usage_error() -> None:
-    result = invoke(["--ray-workers", "2"])
+@pytest.mark.parametrize("flag", ["--ray-workers", "--ray-max-retries"])
+def test_a_ray_flag_without_ray_is_a_usage_error(flag: str) -> None:
+    result = invoke([flag, "2"])
     assert result.exit_code == 2  # type: ignore[attr-defined]
-    assert "--ray-workers" in result.stderr and "needs --ray" in result.stderr  # type: ignore[attr-defined]
+    assert flag in result.stderr and "needs --ray" in result.stderr  # type: ignore[attr-defined]
 
 
-def test_ray_workers_out_of_range_names_the_flag_and_range() -> None:
-    result = invoke(["--ray", "local", "--ray-workers", "0"])
+@pytest.mark.parametrize(
+    ("flag", "value", "bounds"),
+    [("--ray-workers", "0", "[1, 65536]"), ("--ray-max-retries", "-1", "[0, 100]")],
+)
+def test_a_ray_flag_out_of_range_names_the_flag_and_range(
+    flag: str, value: str, bounds: str
+) -> None:
+    result = invoke(["--ray", "local", flag, value])
     assert result.exit_code == 2  # type: ignore[attr-defined]
-    assert "--ray-workers" in result.stderr and "[1, 65536]" in result.stderr  # type: ignore[attr-defined]
+    assert flag in result.stderr and bounds in result.stderr  # type: ignore[attr-defined]
 
 
 def test_the_cli_and_its_ray_backend_import_no_ray() -> None:
