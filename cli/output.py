@@ -15,8 +15,9 @@ When the kernel refuses (ENOSPC, EIO, EFBIG past a file-size limit, EBADF),
 the file is cut back to its last whole line where it can be, and
 ``OutputFailed`` names the path and the error; every later write fails the
 same way without writing, so no line is ever missing from the middle of the
-output, only from its end, which ``--resume`` fills in. A write stopped by a
-signal (``stop.py``) is cut back the same way before the stop goes on.
+output, only from its end, which ``--resume`` fills in. A stop
+(``stop.py``) that comes while a line is written waits for it: a line is out
+whole, and counted, or not at all.
 
 A file the run created and never started writing (the model did not load)
 is removed again on ``close``, so a failed run leaves no empty output behind.
@@ -35,6 +36,8 @@ import os
 import stat
 from pathlib import Path
 from typing import IO, Protocol
+
+from metrale.cli.stop import held
 
 
 class OutputBusy(Exception):
@@ -110,17 +113,15 @@ class OutputFile:
             raise self.failure
         data = line.encode("utf-8")
         done = 0
-        try:
-            while done < len(data):
-                done += os.write(self.fd, data[done:])  # a full disk may take part of it
-        except OSError as exc:
-            whole = done == 0 or self._cut_back()
-            self.failure = OutputFailed(self.path, exc, whole)
-            raise self.failure from exc
-        except BaseException:  # a stop (stop.py) mid-write: the line is not written
-            self._cut_back()
-            raise
-        self.size += len(data)
+        with held():
+            try:
+                while done < len(data):
+                    done += os.write(self.fd, data[done:])  # a full disk may take part of it
+            except OSError as exc:
+                whole = done == 0 or self._cut_back()
+                self.failure = OutputFailed(self.path, exc, whole)
+                raise self.failure from exc
+            self.size += len(data)
 
     def close(self) -> None:
         if self.created and not self.started:
@@ -151,8 +152,9 @@ class StandardOutput:
         if self.failure is not None:
             raise self.failure
         try:
-            self.stream.write(line)
-            self.stream.flush()
+            with held():
+                self.stream.write(line)
+                self.stream.flush()
         except BrokenPipeError:
             raise
         except OSError as exc:

@@ -9,8 +9,9 @@ behind it wait in the input, not in memory. The running requests (the slow
 one among them) go on meanwhile, so the backlog always clears.
 
 Each record is counted as written before it is handed to the sink and
-uncounted if the sink takes none of it, so the summary never counts a line
-the output lacks, nor the reverse. A sink that fails (``output.py``) fails
+uncounted if the sink fails it, so the summary never counts a line the
+output lacks, nor the reverse (a stop lands between two lines: the sink
+holds it off while it writes one). A sink that fails (``output.py``) fails
 every later write too: the run stops there.
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 
 from metrale.cli.live import RunCounters
 from metrale.cli.options import OutputOrder
-from metrale.cli.output import LineSink
+from metrale.cli.output import LineSink, OutputFailed
 from metrale.cli.records import dumps
 
 
@@ -96,6 +97,6 @@ class Writer:
         self.counters.written += 1
         try:
             self.out.write_line(line)
-        except BaseException:
+        except OutputFailed:
             self.counters.written -= 1
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from metrale.cli import output as output_module
 from metrale.cli.output import OutputBusy, OutputFailed, OutputFile, StandardOutput
+from metrale.cli.stop import Stopped, stop_signals
 
 LINE = '{"id": 1, "text": "abc"}\n'
 
@@ -84,6 +86,29 @@ def test_a_write_the_disk_cuts_short_is_cut_back_and_every_later_write_fails(
     with pytest.raises(OutputFailed):
         out.write_line(LINE)
     assert len(calls) == 2  # the later write never reached the file
+    out.close()
+
+
+def test_a_stop_during_a_write_lands_after_the_whole_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "out.jsonl"
+    out = OutputFile.open(str(path))
+    out.start(append=False)
+    real_write = os.write
+    calls: list[int] = []
+
+    def signalled(fd: int, data: Any) -> int:  # SIGTERM comes mid-line, 3 bytes at a time
+        calls.append(len(data))
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_write(fd, bytes(data[:3]))
+
+    monkeypatch.setattr(output_module.os, "write", signalled)
+    with pytest.raises(Stopped), stop_signals():
+        out.write_line(LINE)
+    monkeypatch.undo()
+    assert path.read_text() == LINE and out.size == len(LINE)
     out.close()
 
 

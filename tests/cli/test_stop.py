@@ -7,11 +7,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 
-from metrale.cli.stop import Stopped, stop_signals, stop_status
+from metrale.cli.stop import Stopped, held, stop_signals, stop_status
 
 
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -32,6 +33,27 @@ def test_leaving_the_block_puts_the_handlers_back() -> None:
     with stop_signals():
         assert signal.getsignal(signal.SIGTERM) is not before[signal.SIGTERM]
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_stop_during_a_write_on_another_thread_acts_when_the_write_ends() -> None:
+    events: list[str] = []
+    seen_when_stopped: list[str] | None = None
+
+    def write() -> None:
+        with held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.3)
+            events.append("written")
+
+    writer = threading.Thread(target=write)
+    with stop_signals():
+        writer.start()
+        try:
+            time.sleep(10)
+        except Stopped:
+            seen_when_stopped = list(events)
+    writer.join()
+    assert seen_when_stopped == ["written"]  # raised in the main thread, after the write
 
 
 CHILD = textwrap.dedent(

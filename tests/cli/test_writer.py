@@ -68,6 +68,19 @@ def test_a_line_the_sink_refused_is_not_counted_as_written() -> None:
     assert counters.written == 1
 
 
+class StoppedAfterWriting(ListSink):
+    def write_line(self, line: str) -> None:
+        super().write_line(line)
+        raise KeyboardInterrupt  # a stop held off until the line was out
+
+
+def test_a_stop_as_a_line_is_written_counts_that_line() -> None:
+    counters, sink = RunCounters(), StoppedAfterWriting()
+    with pytest.raises(KeyboardInterrupt):
+        Writer(sink, OutputOrder.completed, counters).put(1, {"id": 1}, failed=False)
+    assert counters.written == len(sink.lines) == 1
+
+
 class SlowHeadEngine:
     """Finishes every request at once but the first, which it holds until
     its source has nothing for it (a ``None``): a slow line at the front.
