@@ -22,7 +22,10 @@ from tests.support.moe_checkpoints import write_moe_checkpoint
 DENSE = RuntimeConfig(device="cpu", dtype="float32", num_slots=3, max_len=128, weights="dense")
 PACKED = RuntimeConfig(device="cpu", dtype="float32", num_slots=3, max_len=128)
 # Every layer's MLP made of experts: llama.cpp's qwen2moe/qwen3moe have no dense layers.
-ALL_MOE: dict[str, dict[str, Any]] = {"qwen2_moe": {"decoder_sparse_step": 1}, "qwen3_moe": {"mlp_only_layers": []}}
+ALL_MOE: dict[str, dict[str, Any]] = {
+    "qwen2_moe": {"decoder_sparse_step": 1},
+    "qwen3_moe": {"mlp_only_layers": []},
+}
 
 
 @pytest.fixture(autouse=True)
