@@ -2,7 +2,8 @@
 download, the embedded model requantized by llama.cpp itself.
 
 Usage: ``python -m metrale.engine.bench.gguf [WORKLOAD.jsonl] [--types
-Q4_K_M,Q5_K_M,Q6_K,Q4_0] [--rounds 2] [--prompts 12] [--threads 2]
+Q4_K_M,Q5_K_M,Q6_K,Q4_0] [--rounds 2] [--prompts 12] [--max-tokens 128]
+[--threads 2]
 [--docs docs/benchmarks.md]``; needs llama-cpp-python in the interpreter
 (``gguf_llama.py`` runs it in processes of its own).
 
@@ -18,7 +19,9 @@ Q4_K_M,Q5_K_M,Q6_K,Q4_0] [--rounds 2] [--prompts 12] [--threads 2]
    as no MTP head ships for it), llama.cpp plain, and llama.cpp with its
    prompt lookup. Each run is a fresh process: ``metrale generate`` whole,
    llama.cpp's loading the model once and generating every line (the first
-   once more, untimed). metrale converts each file once first, untimed.
+   once more, untimed). Each metrale configuration runs once first on one
+   line, untimed (the file's conversion, the kernels, the draft budget's
+   calibration, as a user's earlier runs would have left them).
 3. A cell is the median over rounds of tokens per second of generation:
    metrale's ``--stats-json`` ``tokens_per_s`` (its clock starts after
    loading) and llama.cpp's tokens over the seconds of its generation
@@ -60,11 +63,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = REPO / "build" / "bench-gguf"
     out.mkdir(parents=True, exist_ok=True)
     lines = [json.loads(t) for t in args.workload.read_text().splitlines() if t.strip()]
-    lines = lines[: args.prompts]
+    lines = [{**line, "max_tokens": args.max_tokens} for line in lines[: args.prompts]]
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         (work / "lines.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        warm = {**lines[0], "max_tokens": 8}  # converts, builds, calibrates: untimed
+        (work / "warm.jsonl").write_text(json.dumps(warm) + "\n")
         for kind in args.types:
             path = requantized(out, kind)
             prompts = prompt_ids(path, lines, work / f"{kind}.json")
@@ -80,6 +85,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--types", default=",".join(TYPES))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=12, help="first lines of the workload")
+    parser.add_argument("--max-tokens", type=int, default=128, help="every line's max_tokens")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md")
     args = parser.parse_args(argv)
@@ -120,7 +126,8 @@ def bench_file(path: Path, prompts: Path, work: Path, args: argparse.Namespace) 
     """Every round's tokens/s per configuration, and the agreement of texts."""
     rates: dict[str, list[float]] = {key: [] for key in CONFIGS}
     texts: dict[str, dict[str, str]] = {}
-    metrale_run(path, work, NO_DRAFTS, args.threads)  # untimed: conversion, kernels, calibration
+    for flags in (NO_DRAFTS, ()):  # untimed: conversion, kernels, the budget's calibration
+        metrale_run(path, work, flags, args.threads, "warm.jsonl")
     for round_ in range(args.rounds):
         turn = round_ % len(CONFIGS)
         for key in [*CONFIGS[turn:], *CONFIGS[:turn]]:
@@ -144,13 +151,14 @@ def bench_file(path: Path, prompts: Path, work: Path, args: argparse.Namespace) 
 
 
 def metrale_run(
-    path: Path, work: Path, flags: Sequence[str], threads: int
+    path: Path, work: Path, flags: Sequence[str], threads: int, lines: str = "lines.jsonl"
 ) -> tuple[float, dict[str, str]]:
-    """One ``metrale generate`` process at batch 1: its tokens/s and texts."""
+    """One ``metrale generate`` process at batch 1 on ``work / lines``: its
+    tokens/s and texts."""
     output, stats = work / "out.jsonl", work / "stats.json"
     script = Path(sys.executable).with_name("metrale")
     command = [
-        str(script), "generate", str(work / "lines.jsonl"), "--model", str(path),
+        str(script), "generate", str(work / lines), "--model", str(path),
         "--max-batch", "1", *flags,
         "-o", str(output), "--stats-json", str(stats), "--progress", "off",
     ]  # fmt: skip
@@ -192,8 +200,9 @@ def table_lines(
     from metrale.engine.load.model_info import describe_blocks
 
     lines = [
-        f"{args.workload.name}, first {args.prompts} lines, batch 1, {args.threads} threads, "
-        f"{args.rounds} rounds; tokens/s of generation (median over rounds).",
+        f"{args.workload.name}, first {args.prompts} lines at max_tokens {args.max_tokens}, "
+        f"batch 1, {args.threads} threads, {args.rounds} rounds; tokens/s of generation "
+        "(median over rounds).",
         "",
         "| file | tensors | " + " | ".join(CONFIGS) + " | no drafts / plain "
         "| defaults / faster llama.cpp | same text |",
