@@ -82,8 +82,9 @@ bench-kernel: setup
 # code edits (bench_prompts/code_refactors.jsonl). llama-cpp-python is the
 # benchmark's only: installed here into the venv, never a dependency of
 # metrale. PyPI has it as source only, so the first install compiles
-# llama.cpp (more than an hour on two busy cores). Writes the bench-gguf
-# section of docs/benchmarks.md.
+# llama.cpp (22 minutes of CPU; 93 on the clock on two cores shared with
+# other work); pip keeps the wheel it built for later installs. Writes the
+# bench-gguf section of docs/benchmarks.md.
 LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
 $(VENV)/.llama-cpp: | $(STAMP)
 	$(PIP) install --quiet $(LLAMA_CPP_PYTHON)
