@@ -274,9 +274,12 @@ def test_a_slow_first_line_under_input_order_holds_back_a_bounded_pile(
     tiny: Path, tmp_path: Path
 ) -> None:
     # Every line behind the first finishes before it. The writer holds at
-    # most 4,096 of their records (about 17 MiB of 4 KiB records here), the
+    # most 4,096 of their records (about 33 MiB of 8 KiB records here), the
     # input waiting for the rest; held without a bound, all 12,000 would
-    # take about 50 MiB. Measured from the point 1,000 lines were read.
-    peak = stream_run(tiny, tmp_path / "out.jsonl", 12_000, "input", True, metadata_bytes=4000)
-    assert peak.end_kib - peak.early_kib < 40 * 1024, peak
+    # take about 100 MiB. Measured from the point 1,000 lines were read.
+    out = tmp_path / "out.jsonl"
+    peak = stream_run(tiny, out, 12_000, "input", True, metadata_bytes=8000)
+    assert peak.end_kib - peak.early_kib < 80 * 1024, peak
     assert peak.end_kib < 2 * 1024 * 1024, peak  # the tiny model's process, generously
+    with out.open("rb") as f:
+        assert [orjson.loads(line)["id"] for line in f] == list(range(12_000))
