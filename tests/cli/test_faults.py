@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from metrale.cli.main import app
 from tests.support.broken_models import Broken, write_broken_models
 from tests.support.checkpoints import write_tiny_checkpoint
-from tests.support.memory_runs import stream_run
+from tests.support.memory_runs import run_alone
 
 METRALE = Path(sys.executable).parent / "metrale"
 ENV = {"COLUMNS": "400", "NO_COLOR": "1"}
@@ -276,9 +276,10 @@ def test_a_slow_first_line_under_input_order_holds_back_a_bounded_pile(
     # Every line behind the first finishes before it. The writer holds at
     # most 4,096 of their records (about 33 MiB of 8 KiB records here), the
     # input waiting for the rest; held without a bound, all 12,000 would
-    # take about 100 MiB. Measured from the point 1,000 lines were read.
+    # take about 100 MiB. Measured from the point 1,000 lines were read, the
+    # lines fed from a fresh process (``memory_runs`` says why).
     out = tmp_path / "out.jsonl"
-    peak = stream_run(tiny, out, 12_000, "input", True, metadata_bytes=8000)
+    peak = run_alone(tiny, out, 12_000, "input", metadata_bytes=8000)
     assert peak.end_kib - peak.early_kib < 80 * 1024, peak
     assert peak.end_kib < 2 * 1024 * 1024, peak  # the tiny model's process, generously
     with out.open("rb") as f:

@@ -18,11 +18,20 @@ pile shows in the resident size.
 runs ``--order completed`` and ``--order input`` (slow first line) at each
 count and writes the ``bench-memory`` section of docs/benchmarks.md
 (``make bench-memory``). It lives beside the test fixtures it runs on.
+
+    python -m tests.support.memory_runs --one MODEL OUT LINES ORDER
+
+runs one stream (slow first line under ``input``) and prints its ``Peak`` as
+JSON: the test runs it so, because the feeding process's own state shows in
+the child's figures (after Ray ran in a pytest process, a child's peak grew
+by hundreds of MiB with no line held), and a fresh process feeds as a user's
+pipeline does.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -156,12 +165,29 @@ def table(peaks: list[Peak]) -> str:
     return "\n".join(rows)
 
 
+def run_alone(model: Path, out: Path, num_lines: int, order: str, metadata_bytes: int) -> Peak:
+    """``stream_run`` from a fresh process (module doc, ``--one``)."""
+    command = [sys.executable, "-m", "tests.support.memory_runs", "--one"]
+    command += [str(model), str(out), str(num_lines), order]
+    command += ["--metadata-bytes", str(metadata_bytes)]
+    repo = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run(command, cwd=repo, capture_output=True, check=True)
+    return Peak(**orjson.loads(done.stdout.splitlines()[-1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lines", default="10000,100000", help="line counts, comma-separated")
     parser.add_argument("--metadata-bytes", type=int, default=1024)
     parser.add_argument("--no-docs", action="store_true", help="print only")
+    parser.add_argument("--one", nargs=4, metavar=("MODEL", "OUT", "LINES", "ORDER"))
     args = parser.parse_args()
+    if args.one:
+        model, out, count, order = args.one
+        slow = order == "input"
+        one = stream_run(Path(model), Path(out), int(count), order, slow, args.metadata_bytes)
+        print(orjson.dumps(dataclasses.asdict(one)).decode())
+        return
     peaks = []
     with tempfile.TemporaryDirectory() as work:
         model = write_tiny_checkpoint(Path(work) / "tiny", "llama", mtp_layout="deepseek")
