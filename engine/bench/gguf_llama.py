@@ -62,7 +62,7 @@ def generate(model: Path, prompts: Path, out: Path, threads: int, lookup: int) -
     )
 
     def complete(line: dict[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = llm.create_completion(
+        result: Any = llm.create_completion(
             prompt=line["ids"],
             max_tokens=line["max_tokens"],
             temperature=0.0,

@@ -1,0 +1,180 @@
+"""Prompt prefixes read once: a new request starts from the longest prefix a slot holds.
+
+Contract: a slot's KV cache keeps what its last sequence wrote until another
+sequence writes over it, so the slots themselves are the cache, bounded by
+the KV budget with no memory of their own:
+
+- A slot holds its last sequence's tokens at positions ``0..n-1``, where
+  ``n`` is the sequence's final rows: ``seq_len`` (cut to its history after
+  a stop string), and below ``head_rows`` where MTP modules lag the main
+  cache. A running sequence's content grows step by step; a finished one's
+  stays until its slot is taken.
+- ``admit`` gives a new request its slot and the positions it reuses. The
+  source is the slot sharing the longest prefix with the prompt: a running
+  sequence, one admitted this step, or a finished one. Reused are ``shared -
+  lag`` positions, at most ``prompt_len - 1`` (the prefill still reads the
+  last prompt token, whose logits choose the first output token), where
+  ``lag`` is the MTP modules' reach: module ``k``'s row ``p`` reads token
+  ``p+1+k``, which past the shared prefix is the source's, not this
+  prompt's. Fewer than ``MIN_REUSE`` positions are not worth a copy.
+- A free slot whose own content is the best source is taken as is: nothing
+  is copied. Otherwise the request takes the least recently used free slot
+  (the device step, whose batch is slots ``0..B-1``, the lowest) and its
+  positions are copied from the source (``CopiesPrefixes.copy_prefix``),
+  once the source's final rows reach them: a source still prefilling the
+  prefix is waited for (``attached``), so lines admitted together that share
+  a prefix have it prefilled once, by the first of them. Slots in use are
+  never taken, so a running sequence's rows are never evicted.
+- ``ready`` (each step, before the step runs and before new requests take
+  slots) copies for every waiting request whose source got far enough, or
+  ended (then as far as it got), and hands it back to be admitted to the
+  step's path; ``seq.cached`` records what it reused.
+
+Exactness: the copied rows are the ones this prompt's own prefill would
+write (same tokens at the same positions), computed in a forward that
+batched them differently, as any two plain runs of the engine may; the
+sampling noise is keyed by position, never by slot. A model with gated
+DeltaNet layers keeps its recurrent state at each sequence's end only, so
+nothing is reused there (``copies_prefixes`` is false; ``info`` says so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from metrale.engine.runtime.model import CopiesPrefixes
+from metrale.engine.sequence import SeqState
+
+# Fewer shared positions than this are not worth waiting for or copying.
+MIN_REUSE = 8
+
+
+@dataclass(frozen=True)
+class Attach:
+    """A request waiting for ``source`` to hold ``length`` final rows."""
+
+    source: SeqState
+    length: int
+
+
+class PrefixCache:
+    """The slots as a prefix cache (module doc)."""
+
+    def __init__(
+        self,
+        copiers: Sequence[CopiesPrefixes],
+        num_slots: int,
+        lag: int,
+        lowest_first: bool,
+    ) -> None:
+        """``copiers``: the main model, then each MTP module whose cache rows
+        travel with it; ``lag``: the MTP modules' reach (module doc)."""
+        self.copiers = list(copiers)
+        self.lag = lag
+        self.lowest_first = lowest_first
+        self.content: list[SeqState | None] = [None] * num_slots
+        self.used = [0] * num_slots  # when each slot was last read or written
+        self.clock = 0
+        self.attached: dict[int, Attach] = {}  # by the waiting sequence's id()
+        self.waiting: list[SeqState] = []  # in admission order
+
+    def choose_slot(self, prompt: Sequence[int], free: list[int]) -> tuple[int, SeqState | None]:
+        """The slot a request with ``prompt`` takes from ``free`` (removed
+        from it), and the sequence it reuses a prefix of (None: none)."""
+        self.clock += 1
+        best, best_shared = None, 0
+        for slot, held in enumerate(self.content):
+            if held is None:
+                continue
+            shared = _shared(prompt, held.history, _reach(held))
+            if shared > best_shared or (shared == best_shared and slot in free):
+                best, best_shared = slot, shared
+        if best is not None and self._reuse(best_shared, len(prompt)) == 0:
+            best = None
+        if best is not None and best in free:
+            slot = best
+        elif self.lowest_first:
+            slot = min(free)
+        else:
+            slot = min(free, key=lambda s: self.used[s])
+        free.remove(slot)
+        source = self.content[best] if best is not None else None
+        if best is not None:
+            self.used[best] = self.clock
+        return slot, source
+
+    def admit(self, seq: SeqState, source: SeqState | None) -> bool:
+        """Takes ``seq`` into its slot; true when it may go to the step now,
+        false when it waits for its source (``ready`` hands it back)."""
+        previous = self.content[seq.slot]
+        self.content[seq.slot] = seq
+        self.used[seq.slot] = self.clock
+        if source is None:
+            return True
+        shared = _shared(seq.request.prompt_ids, source.history, _reach(source))
+        length = self._reuse(shared, seq.prompt_len)
+        if source is previous:  # its own slot holds the prefix: nothing to copy
+            self._start(seq, min(length, _final_rows(source)))
+            return True
+        self.attached[id(seq)] = Attach(source, length)
+        self.waiting.append(seq)
+        return False
+
+    def ready(self) -> list[SeqState]:
+        """Copies for every waiting sequence whose source holds its rows or
+        has ended; returns them, in admission order, for the step's path."""
+        done = []
+        for seq in self.waiting:
+            attach = self.attached[id(seq)]
+            source = attach.source
+            held = _final_rows(source)
+            if held < attach.length and not source.finished:
+                continue
+            length = min(attach.length, held)
+            if length >= MIN_REUSE:
+                for copier in self.copiers:
+                    copier.copy_prefix(source.slot, seq.slot, length)
+                self._start(seq, length)
+            del self.attached[id(seq)]
+            done.append(seq)
+        self.waiting = [s for s in self.waiting if id(s) in self.attached]
+        return done
+
+    def _reuse(self, shared: int, prompt_len: int) -> int:
+        length = min(shared - self.lag, prompt_len - 1)
+        return length if length >= MIN_REUSE else 0
+
+    @staticmethod
+    def _start(seq: SeqState, length: int) -> None:
+        seq.seq_len = seq.cached = length
+        if seq.head_rows is not None:
+            seq.head_rows = length
+
+
+def _reach(seq: SeqState) -> int:
+    """Positions ``seq``'s slot will hold: all its tokens while it runs (or
+    waits), its final rows once it has ended."""
+    return _final_rows(seq) if seq.finished else len(seq.history)
+
+
+def _final_rows(seq: SeqState) -> int:
+    """Positions of ``seq``'s slot that hold its tokens for good (module doc)."""
+    rows = min(seq.seq_len, len(seq.history))
+    return rows if seq.head_rows is None else min(rows, seq.head_rows)
+
+
+def _shared(prompt: Sequence[int], history: Sequence[int], limit: int) -> int:
+    """How many leading tokens ``prompt`` shares with ``history[:limit]``;
+    whole prefixes compare at C speed, then one token at a time."""
+    most = min(len(prompt), len(history), limit)
+    if list(prompt[:most]) == list(history[:most]):
+        return most
+    low, high = 0, most  # prompt[:low] matches, prompt[:high] does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        if list(prompt[low:mid]) == history[low:mid]:
+            low = mid
+        else:
+            high = mid
+    return low

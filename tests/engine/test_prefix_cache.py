@@ -1,0 +1,100 @@
+"""The prefix cache (``engine/prefix_cache.py``) changes no output, only what is prefilled."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from metrale.engine.api import Request, SamplingParams
+from metrale.engine.config import EngineConfig, RuntimeConfig
+from metrale.engine.engine import Engine
+from metrale.engine.load.loader import LoadedModel, load_model
+from tests.support.checkpoints import write_tiny_checkpoint
+
+SHARED = list(range(3, 3 + 40))  # a 40-token "system prompt"
+
+
+@pytest.fixture(scope="module", params=[None, "deepseek"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama", mtp_layout=request.param)
+
+
+def load(path: Path, slots: int) -> LoadedModel:
+    return load_model(
+        path, RuntimeConfig(device="cpu", dtype="float32", num_slots=slots, max_len=128)
+    )
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint: Path) -> LoadedModel:
+    return load(checkpoint, 4)
+
+
+def lines(sampled: bool) -> list[Request]:
+    params = SamplingParams(max_tokens=12, temperature=1.0 if sampled else 0.0, seed=7)
+    tails = [[50 + i, 60 + i, 70 + i][: 1 + i % 3] for i in range(10)]
+    return [Request(str(i), tuple(SHARED + tail), params) for i, tail in enumerate(tails)]
+
+
+def run(loaded: LoadedModel, requests: list[Request], **config: object) -> tuple[dict, int]:
+    engine = Engine.from_loaded(loaded, EngineConfig(draft_policy="fixed", **config))  # type: ignore[arg-type]
+    out = {r.request_id: r.output_ids for r in engine.generate(requests)}
+    return out, engine.stats().cached_tokens
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize(("batch", "path"), [(1, "host"), (4, "host"), (4, "device")])
+def test_output_is_the_same_with_and_without_the_cache(
+    loaded: LoadedModel, sampled: bool, batch: int, path: str
+) -> None:
+    requests = lines(sampled)
+    without, none = run(loaded, requests, max_batch=batch, prefix_cache=False, step_path=path)
+    with_cache, cached = run(loaded, requests, max_batch=batch, step_path=path)
+    assert with_cache == without
+    assert none == 0
+    # All but the first line reuse the shared prompt, less the MTP module's lag.
+    lag = 1 if loaded.mtp else 0
+    assert cached >= (len(requests) - 1) * (len(SHARED) - lag)
+
+
+def test_lines_admitted_together_prefill_the_shared_prompt_once(loaded: LoadedModel) -> None:
+    requests = lines(False)[:4]
+    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=4, draft_policy="fixed"))
+    list(engine.generate(requests))
+    stats = engine.stats()
+    assert stats.prefix_hits == 3 and stats.admitted == 4
+
+
+def test_eviction_under_a_small_budget_is_least_recently_used_and_exact(
+    checkpoint: Path,
+) -> None:
+    """One line at a time (one ``generate`` each, on one engine) over two
+    slots, three system prompts: C's line overwrites A's rows (used least
+    recently), so A's second line prefills again, while B's second line
+    reuses B's rows. Four slots keep all three."""
+    params = SamplingParams(max_tokens=6)
+    prefix = {k: [base + i for i in range(40)] for k, base in (("A", 3), ("B", 43), ("C", 83))}
+    order = ["A", "B", "B", "C", "A"]
+    requests = [Request(str(i), (*prefix[k], 130 + i), params) for i, k in enumerate(order)]
+    for slots, hits in ((2, [0, 0, 1, 0, 0]), (4, [0, 0, 1, 0, 1])):
+        model = load(checkpoint, slots)
+        engine = Engine.from_loaded(model, EngineConfig(draft_policy="fixed", max_batch=slots))
+        results = {r.request_id: r for q in requests for r in engine.generate([q])}
+        without, _ = run(model, requests, max_batch=1, prefix_cache=False)
+        assert {k: r.output_ids for k, r in results.items()} == without
+        assert [int(results[str(i)].cached_tokens > 0) for i in range(5)] == hits
+
+
+def test_choices_of_one_prompt_fork_it_and_draw_their_own_streams(loaded: LoadedModel) -> None:
+    prompt = (*SHARED, 90)
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=11)
+    forks = [Request(f"c{i}", prompt, sampled, choice=i) for i in range(4)]
+    first, cached = run(loaded, forks, max_batch=4)
+    again, _ = run(loaded, forks, max_batch=4, prefix_cache=False)
+    assert first == again  # reproducible, with or without the fork
+    assert len(set(first.values())) == 4  # each choice its own sample
+    assert cached >= 3 * (len(SHARED) - 1)
+    greedy = [Request(f"g{i}", prompt, SamplingParams(max_tokens=10), choice=i) for i in range(3)]
+    plain, _ = run(loaded, greedy[:1], max_batch=1, prefix_cache=False)
+    assert set(run(loaded, greedy, max_batch=3)[0].values()) == set(plain.values())
