@@ -80,7 +80,8 @@ class Request:
     prompt-lookup copies (see ``metrale.lookup.SharedLookup``); ``None`` means
     the request neither reads from nor is stored in the shared cache.
     ``grammar`` constrains the output: a ``"stop"`` finish then always ends
-    where the grammar is complete.
+    where the grammar is complete. ``choice`` is the sample's index among a
+    line's ``n``: each draws from its own noise stream of the seed.
     """
 
     request_id: str
@@ -88,6 +89,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     scope: str | None = None
     grammar: Grammar | None = None
+    choice: int = 0
 
 
 @dataclass
@@ -150,6 +152,7 @@ class Result:
     # and the bytes of every token they name (the emitted and the top ones).
     logprobs: tuple[TokenLogprob, ...] | None = None
     token_bytes: Mapping[int, bytes] = field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
     @property
     def completion_tokens(self) -> int:

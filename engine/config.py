@@ -107,6 +107,8 @@ class EngineConfig:
     ladder's full chain always); see ``mtp_drafter.py``.
     ``forced_drafts``: a constrained request drafts its grammar's forced
     tokens (``spec/constrained.py``); False decodes them one verify each.
+    ``prefix_cache``: a new request reuses the longest prompt prefix a slot
+    holds (``prefix_cache.py``) where the model can copy one.
     ``draft_policy``: ``"auto"`` sizes each sequence's drafts every step by
     the measured verify cost and live acceptance (``spec/budget.py``);
     ``"fixed"`` keeps the ladder and the copy windows' own lengths.
@@ -123,6 +125,7 @@ class EngineConfig:
     prompt_lookup: PromptLookupConfig | None = field(default_factory=PromptLookupConfig)
     shared_lookup: SharedLookupSettings = field(default_factory=SharedLookupSettings)
     forced_drafts: bool = True
+    prefix_cache: bool = True
     draft_policy: str = "auto"
     step_path: str = "auto"
     # Mechanisms of the draft budget turned off, for ablations only

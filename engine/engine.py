@@ -33,7 +33,8 @@ from metrale.engine.config import EngineConfig
 from metrale.engine.kernels.binding import packed_kernel
 from metrale.engine.load.home import metrale_home
 from metrale.engine.logprobs import TokenBytes
-from metrale.engine.runtime.model import Model, MtpModule
+from metrale.engine.prefix_cache import PrefixCache
+from metrale.engine.runtime.model import CopiesPrefixes, Model, MtpModule
 from metrale.engine.sampling import noise_key
 from metrale.engine.sequence import Decode, SeqState, error_result
 from metrale.engine.spec.auto import AutoPolicy
@@ -115,8 +116,9 @@ class Engine:
             assert drafter.num_slots >= self._num_slots, "MTP slots < model slots"
             self._max_len = min(self._max_len, drafter.max_len)
         self._free_slots = list(range(self._num_slots - 1, -1, -1))
+        self._prefixes = _prefix_cache(model, mtp, config, self._num_slots, device is not None)
         self._queues = Queues()
-        self._counters = RunCounters()
+        self._counters = RunCounters(prefix_cache=self._prefixes is not None)
         self._copies = LookupStats()
         setup = StepSetup(
             model=model,
@@ -238,7 +240,8 @@ class Engine:
                     yield [error_result(request, problem)]
                     continue
                 queues.waiting.append(request)
-            if not (queues.waiting or queues.prefilling or queues.decoding):
+            attached = self._prefixes is not None and self._prefixes.waiting
+            if not (queues.waiting or queues.prefilling or queues.decoding or attached):
                 if queues.stream_done:
                     return
                 if idle_source:
@@ -248,8 +251,11 @@ class Engine:
 
     def _step(self) -> list[Result]:
         times = StepTimes(began=self.policy.clock())
-        # 1. Admit waiting requests into free slots.
+        # 1. Admit waiting requests into free slots, each from the longest
+        # cached prefix; those whose source now holds it join the step.
+        self._attach_ready()
         self._admit()
+        self._attach_ready()
         # 2. The step: prefill a chunk, draft, verify, draft the next chain.
         done = self._path.run(self._queues, times)
         # 3. Finish: free slots, store in the shared cache, hand back results.
@@ -259,23 +265,45 @@ class Engine:
         return results
 
     def _admit(self) -> None:
-        # The lowest free slot first: the device step's batch is slots 0..B-1.
+        # Without a prefix cache, the lowest free slot first: the device
+        # step's batch is slots 0..B-1.
         self._free_slots.sort(reverse=True)
+        prefixes = self._prefixes
         while self._free_slots and self._queues.waiting:
             request = self._queues.waiting.popleft()
             params = request.params
+            source = None
+            if prefixes is None:
+                slot = self._free_slots.pop()
+            else:
+                slot, source = prefixes.choose_slot(request.prompt_ids, self._free_slots)
             seq = SeqState(
                 request=request,
-                slot=self._free_slots.pop(),
+                slot=slot,
                 max_len=self._max_len,
                 eos_ids=self._eos | frozenset(params.eos_token_ids),
                 scope=self._scope_key(request),
-                noise_key=noise_key(params),
+                noise_key=noise_key(params, request.choice),
                 grammar=self._matcher(request.grammar),
                 verify_rows=self._verify_rows,
+                head_rows=0 if self._drafter is not None else None,
             )
             self._counters.prompt_tokens += len(request.prompt_ids)
-            self._path.admit(seq, self._queues)
+            self._counters.admitted += 1
+            if prefixes is None or prefixes.admit(seq, source):
+                self._join(seq)
+
+    def _attach_ready(self) -> None:
+        """Admits to the step every sequence whose prefix source got far enough."""
+        if self._prefixes is not None:
+            for seq in self._prefixes.ready():
+                self._join(seq)
+
+    def _join(self, seq: SeqState) -> None:
+        if seq.cached:
+            self._counters.cached_tokens += seq.cached
+            self._counters.prefix_hits += 1
+        self._path.admit(seq, self._queues)
 
     def _finish(self, finished: list[SeqState]) -> list[Result]:
         results = []
@@ -340,8 +368,9 @@ class Engine:
     def _publish(self, final: bool = False) -> None:
         queues = self._queues
         running = queues.prefilling + queues.decoding
+        attached = len(self._prefixes.waiting) if self._prefixes is not None else 0
         self._snapshot = self._counters.snapshot(
-            running=len(running),
+            running=len(running) + attached,
             waiting=len(queues.waiting),
             copies=self._copies,
             windows=[s.prompt_lookup.window for s in running if s.prompt_lookup is not None],
@@ -367,6 +396,25 @@ def calibration_key(loaded: LoadedModel) -> dict[str, str]:
         "slots": str(info.num_slots),
         "kernels": _kernel_build(info.weights),
     }
+
+
+def _prefix_cache(
+    model: Model, mtp: Sequence[MtpModule], config: EngineConfig, num_slots: int, device: bool
+) -> PrefixCache | None:
+    """The slots as a prefix cache, where the config asks for one and the
+    model and every MTP module in use can copy a prefix (``prefix_cache.py``).
+    Module ``k`` of a host stack reads token ``p+1+k`` at row ``p``, so the
+    copies lag the shared prefix by the stack's depth; the device step runs
+    one module."""
+    copiers = [model, *mtp]
+    if not config.prefix_cache or not all(
+        isinstance(c, CopiesPrefixes) and c.copies_prefixes for c in copiers
+    ):
+        return None
+    lag = (1 if device else len(mtp)) if mtp else 0
+    return PrefixCache(
+        [c for c in copiers if isinstance(c, CopiesPrefixes)], num_slots, lag, device
+    )
 
 
 def _kernel_build(weights: str) -> str:

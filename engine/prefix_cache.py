@@ -18,13 +18,15 @@ the KV budget with no memory of their own:
   ``p+1+k``, which past the shared prefix is the source's, not this
   prompt's. Fewer than ``MIN_REUSE`` positions are not worth a copy.
 - A free slot whose own content is the best source is taken as is: nothing
-  is copied. Otherwise the request takes the least recently used free slot
+  is copied (on the device step only while it is the lowest free slot). Otherwise the request takes the least recently used free slot
   (the device step, whose batch is slots ``0..B-1``, the lowest) and its
   positions are copied from the source (``CopiesPrefixes.copy_prefix``),
   once the source's final rows reach them: a source still prefilling the
   prefix is waited for (``attached``), so lines admitted together that share
-  a prefix have it prefilled once, by the first of them. Slots in use are
-  never taken, so a running sequence's rows are never evicted.
+  a prefix have it prefilled once, by the first of them. A source counts its
+  waiters (``SeqState.waited_on``), and a draft policy does not hold back
+  the MTP rows of a source someone waits for. Slots in use are never taken,
+  so a running sequence's rows are never evicted.
 - ``ready`` (each step, before the step runs and before new requests take
   slots) copies for every waiting request whose source got far enough, or
   ended (then as far as it got), and hands it back to be admitted to the
@@ -92,7 +94,7 @@ class PrefixCache:
                 best, best_shared = slot, shared
         if best is not None and self._reuse(best_shared, len(prompt)) == 0:
             best = None
-        if best is not None and best in free:
+        if best is not None and best in free and not (self.lowest_first and best != min(free)):
             slot = best
         elif self.lowest_first:
             slot = min(free)
@@ -119,6 +121,7 @@ class PrefixCache:
             return True
         self.attached[id(seq)] = Attach(source, length)
         self.waiting.append(seq)
+        source.waited_on += 1
         return False
 
     def ready(self) -> list[SeqState]:
@@ -137,6 +140,7 @@ class PrefixCache:
                     copier.copy_prefix(source.slot, seq.slot, length)
                 self._start(seq, length)
             del self.attached[id(seq)]
+            source.waited_on -= 1
             done.append(seq)
         self.waiting = [s for s in self.waiting if id(s) in self.attached]
         return done

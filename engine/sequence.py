@@ -26,6 +26,11 @@ Contract (owned by the engine loop, one ``SeqState`` per admitted request):
   forced run this step (``spec/constrained.py``), and the verify rows' masks.
 - ``logprobs`` (requests that ask for them) holds one ``TokenLogprob`` per
   output token, in step with ``output_ids``.
+- ``cached`` prompt positions came from another slot's cache
+  (``prefix_cache.py``); ``head_rows`` counts the rows every MTP module
+  holds for good, where the host drafter feeds them behind the main cache;
+  ``waited_on`` counts the requests waiting for its rows, which a draft
+  policy must then not hold back.
 - ``error`` set means the request failed while decoding (its grammar could
   not go on); it finishes with ``finish_reason == "error"``.
 """
@@ -68,6 +73,9 @@ class SeqState:
     error: str | None = None
     verify_rows: int | None = None  # the model's widest verify; None: any
     logprobs: list[TokenLogprob] | None = None
+    cached: int = 0  # prompt positions reused from the prefix cache
+    head_rows: int | None = None  # MTP module rows held for good; None: as the main cache
+    waited_on: int = 0  # requests waiting to copy this one's prefix rows
 
     def __post_init__(self) -> None:
         if not self.history:
@@ -188,6 +196,7 @@ class SeqState:
             stats=self.stats,
             logprobs=logprobs,
             token_bytes=spelled,
+            cached_tokens=self.cached,
         )
 
 

@@ -76,6 +76,12 @@ class EngineStats:
     generated_tokens: int = 0
     verifies: int = 0
     prefills: int = 0
+    # The prefix cache (when on): prompt tokens reused rather than
+    # prefilled, the requests given a slot, and those of them that reused any.
+    prefix_cache: bool = False
+    cached_tokens: int = 0
+    admitted: int = 0
+    prefix_hits: int = 0
     wall_s: float = 0.0
     mtp_proposed_by_position: tuple[int, ...] = ()
     mtp_accepted_by_position: tuple[int, ...] = ()
@@ -93,6 +99,11 @@ class EngineStats:
     @property
     def grammar_us_per_token(self) -> float:
         return 1e6 * self.grammar_s / self.grammar_tokens if self.grammar_tokens else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The share of admitted requests that reused a cached prefix."""
+        return self.prefix_hits / self.admitted if self.admitted else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -126,6 +137,10 @@ class RunCounters:
     seq_verifies: int = 0
     verify_tokens: int = 0
     prefills: int = 0
+    prefix_cache: bool = False
+    cached_tokens: int = 0
+    admitted: int = 0
+    prefix_hits: int = 0
     mtp_proposed_by_position: list[int] = field(default_factory=list)
     mtp_accepted_by_position: list[int] = field(default_factory=list)
     forced_proposed: int = 0
@@ -170,6 +185,10 @@ class RunCounters:
             generated_tokens=self.generated_tokens,
             verifies=self.verifies,
             prefills=self.prefills,
+            prefix_cache=self.prefix_cache,
+            cached_tokens=self.cached_tokens,
+            admitted=self.admitted,
+            prefix_hits=self.prefix_hits,
             wall_s=wall_s,
             mtp_proposed_by_position=tuple(self.mtp_proposed_by_position),
             mtp_accepted_by_position=tuple(self.mtp_accepted_by_position),

@@ -199,6 +199,12 @@ class SlotKVCache:
         self.keys[layer][plan.token_slots, :, plan.positions] = k
         self.values[layer][plan.token_slots, :, plan.positions] = v
 
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Positions ``0..length-1`` of slot ``source`` into slot ``slot``, every layer."""
+        for keys, values in zip(self.keys, self.values, strict=True):
+            keys[slot, :, :length] = keys[source, :, :length]
+            values[slot, :, :length] = values[source, :, :length]
+
     def read(self, layer: int, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """The segments' windows ``[num_segments, num_kv_heads, ctx_len, head_dim]``:
         a view when the slots are contiguous, a gathered copy otherwise."""

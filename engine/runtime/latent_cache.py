@@ -66,6 +66,11 @@ class LatentCache:
             return
         entries[plan.token_slots, plan.positions] = torch.cat((latent, rope_key), dim=-1)
 
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Positions ``0..length-1`` of slot ``source`` into slot ``slot``, every layer."""
+        for entries in self.entries:
+            entries[slot, :length] = entries[source, :length]
+
     def read(self, layer: int, plan: RowPlan) -> torch.Tensor:
         """The segments' windows ``[num_segments, ctx_len, kv_lora_rank +
         qk_rope_head_dim]``: a view when the slots are contiguous, a gathered copy

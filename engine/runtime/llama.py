@@ -389,6 +389,18 @@ class LlamaModel:
         states = self.stack.linear_states
         return states.bytes // self._num_slots if states is not None else 0
 
+    @property
+    def copies_prefixes(self) -> bool:
+        """Whether a slot can start from another's prefix (``copy_prefix``):
+        not with gated DeltaNet layers, whose state is kept at each
+        sequence's end only, never at a prefix of it."""
+        return self.stack.linear_states is None
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Positions ``0..length-1`` of slot ``source``'s cache into ``slot``."""
+        assert self.copies_prefixes, "no prefix copies with linear-attention layers"
+        self.stack.cache.copy_prefix(source, slot, length)
+
     def plan(self, segments: Sequence[Segment]) -> RowPlan:
         return plan_rows(
             segments, self._num_slots, self._max_len, self._device, self.spec.sliding_window

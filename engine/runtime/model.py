@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -75,6 +75,19 @@ class Model(Protocol):
     def device(self) -> torch.device: ...
 
     def forward(self, segments: Sequence[Segment], logits: LogitRows = "all") -> ForwardOutput: ...
+
+
+@runtime_checkable
+class CopiesPrefixes(Protocol):
+    """A model or MTP module whose slots can start from another slot's prefix
+    (``engine/prefix_cache.py``); a ``Model`` without it reuses nothing."""
+
+    @property
+    def copies_prefixes(self) -> bool: ...
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Cache positions ``0..length-1`` of slot ``source`` into slot ``slot``."""
+        ...
 
 
 class MtpModule(Protocol):

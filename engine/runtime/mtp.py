@@ -162,6 +162,14 @@ class MtpLayer:
     def kv_bytes_per_token(self) -> int:
         return self.stack.cache.bytes_per_token
 
+    @property
+    def copies_prefixes(self) -> bool:
+        return True
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Rows ``0..length-1`` of slot ``source``'s cache into ``slot``."""
+        self.stack.cache.copy_prefix(source, slot, length)
+
     @torch.inference_mode()
     def forward(
         self,

@@ -227,14 +227,16 @@ class AutoPolicy:
         """A prefill chunk's feed, drafting once the prompt is complete. A
         prompt of up to ``HOLD_MAX`` tokens is held until the chain first
         drafts: where drafts do not pay, the head never reads the prompts of
-        the sequences whose chains never run."""
+        the sequences whose chains never run. A prompt another request waits
+        to copy (``prefix_cache.py``) is never held."""
         rest = self.rest
         if seq.prompt_len <= HOLD_MAX:
             # Every sequence admitted shares the steps to come, those whose
             # prompts are still being read too.
             live = queues.running() + len(queues.prefilling)
             ahead = complete and seq.slot in self._drain([*queues.decoding, seq], queues)
-            if not complete or not rest.wants_chain(seq, max(live, 1), ahead):
+            waited = seq.waited_on > 0  # another request copies these rows
+            if not waited and (not complete or not rest.wants_chain(seq, max(live, 1), ahead)):
                 rest.hold(seq, start, next_ids, rows)
                 return None
             start, next_ids, rows = rest.release(seq, start, next_ids, rows)
@@ -257,9 +259,11 @@ class AutoPolicy:
         rows: torch.Tensor,  # [len(next_ids), hidden_size]
         running: int,
     ) -> Feed | None:
-        """A resting chain's rows wait; a drafting one takes them all."""
+        """A resting chain's rows wait; a drafting one takes them all, as
+        does one whose rows another request waits to copy."""
         rest = self.rest
-        if not rest.wants_chain(seq, running, seq.slot in self._ahead):
+        waited = seq.waited_on > 0  # another request copies these rows
+        if not waited and not rest.wants_chain(seq, running, seq.slot in self._ahead):
             rest.hold(seq, start, next_ids, rows)
             return None
         self._released += rest.held_rows(seq)

@@ -90,6 +90,14 @@ class DraftFeed:
     def end(self) -> int:
         return self.start + len(self.next_ids)
 
+    @property
+    def floor(self) -> int:
+        """No module runs a row below it: rows below the prompt positions the
+        sequence reused were copied into every module's cache
+        (``prefix_cache.py``), so a feed there starts every module afresh, as
+        a feed from row 0 does."""
+        return self.seq.cached
+
 
 class MtpDrafter:
     """Drafts from ``modules``, in stack order, or from one module (see module doc)."""
@@ -137,7 +145,10 @@ class MtpDrafter:
             self._chain(feeds, hidden, drafts)
         else:
             self._stack(feeds, hidden, drafts)
+        final = len(self.modules) - 1  # module k holds rows below end - k for good
         for i, feed in enumerate(feeds):
+            if feed.seq.head_rows is not None:
+                feed.seq.head_rows = max(feed.seq.head_rows, feed.end - final)
             feed.seq.set_drafts(drafts[i])
             feed.seq.drafts_declined = feed.num_drafts > 0 and not drafts[i]
 
@@ -242,7 +253,7 @@ class MtpDrafter:
         for i, size in zip(fed, sizes, strict=True):
             rows = before[i]
             assert rows is not None, "a module runs no row its predecessor skipped"
-            if feeds[i].start >= depth:
+            if feeds[i].start - feeds[i].floor >= depth:
                 parts.append(self._last[depth - 1][feeds[i].seq.slot][None])
                 size -= 1
             assert rows.shape[0] >= size, "the predecessor ran every row handed on"
@@ -256,11 +267,11 @@ class MtpDrafter:
         ``end - 1 - depth``, for the next step's module ``depth + 1``."""
         for feed, rows in zip(feeds, out, strict=True):
             row = feed.end - 1 - depth
-            if rows is None or row < 0:
+            if rows is None or row < feed.floor:
                 continue
             if len(self._last) <= depth:
                 self._last.append(rows.new_zeros(self.num_slots, rows.shape[-1]))
-            self._last[depth][feed.seq.slot] = rows[row - max(0, feed.start - depth)]
+            self._last[depth][feed.seq.slot] = rows[row - max(feed.floor, feed.start - depth)]
 
     def _choose(
         self,
@@ -343,11 +354,11 @@ def _drafts_on(cap: int, depth: int, drafts: list[int]) -> bool:
 def _rows_at(feed: DraftFeed, cap: int, depth: int, drafts: list[int]) -> tuple[int, list[int]]:
     """``(first row, tokens)`` module ``depth`` runs for ``feed``: row ``p``
     reads token ``p+1+depth``, so the rows whose token the feed made final are
-    ``start-depth..end-1-depth`` (none below 0) with the feed's own tokens;
-    when it drafts on, rows ``end-depth..end-1`` follow with the drafts so
-    far. For example ``start=5, end=7, depth=2`` and drafts ``[a, b]``: rows
-    3..6 read ``t_6, t_7, a, b``."""
-    tokens = list(feed.next_ids)[max(0, depth - feed.start) :]
+    ``start-depth..end-1-depth`` (none below the feed's ``floor``) with the
+    feed's own tokens; when it drafts on, rows ``end-depth..end-1`` follow with
+    the drafts so far. For example ``start=5, end=7, depth=2`` and drafts
+    ``[a, b]``: rows 3..6 read ``t_6, t_7, a, b``."""
+    tokens = list(feed.next_ids)[max(0, depth - (feed.start - feed.floor)) :]
     if _drafts_on(cap, depth, drafts):
-        tokens += drafts[max(0, depth - feed.end) :]
-    return max(0, feed.start - depth), tokens
+        tokens += drafts[max(0, depth - (feed.end - feed.floor)) :]
+    return max(feed.floor, feed.start - depth), tokens

@@ -53,7 +53,7 @@ class DeviceStep:
         self.device, self.has_mtp = device, has_mtp
 
     def admit(self, seq: SeqState, queues: Queues) -> None:
-        if seq.prompt_len == 1:  # nothing before its last token to prefill
+        if seq.seq_len == seq.prompt_len - 1:  # nothing before its last token to prefill
             seq.drafts_declined = self.has_mtp  # no chain yet: a copy may stand in
             queues.decoding.append(seq)
         else:

@@ -58,12 +58,24 @@ def test_output_is_the_same_with_and_without_the_cache(
     assert cached >= (len(requests) - 1) * (len(SHARED) - lag)
 
 
-def test_lines_admitted_together_prefill_the_shared_prompt_once(loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("policy", ["fixed", "auto"])
+def test_lines_admitted_together_prefill_the_shared_prompt_once(
+    loaded: LoadedModel, policy: str
+) -> None:
+    """Under ``auto`` too, whose resting chains hold short prompts back from
+    the MTP module: a source others wait for is fed at once."""
     requests = lines(False)[:4]
-    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=4, draft_policy="fixed"))
-    list(engine.generate(requests))
+    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=4, draft_policy=policy))
+    results = list(engine.generate(requests))
     stats = engine.stats()
     assert stats.prefix_hits == 3 and stats.admitted == 4
+    lag = 1 if loaded.mtp else 0
+    assert stats.cached_tokens >= 3 * (len(SHARED) - lag)
+    plain = Engine.from_loaded(
+        loaded, EngineConfig(max_batch=4, draft_policy=policy, prefix_cache=False)
+    )
+    expected = {r.request_id: r.output_ids for r in plain.generate(requests)}
+    assert {r.request_id: r.output_ids for r in results} == expected
 
 
 def test_eviction_under_a_small_budget_is_least_recently_used_and_exact(
