@@ -54,6 +54,8 @@ def _add(a: T, b: T) -> T:
         for key, value in b.items():
             merged[key] = _add(merged[key], value) if key in merged else value
         return merged  # type: ignore[return-value]
+    if isinstance(a, bool):  # a feature on any worker is on for the cluster
+        return a or b
     return a + b  # type: ignore[operator]
 
 

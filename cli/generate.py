@@ -168,6 +168,14 @@ def generate(
             panel=SPECULATION,
         ),
     ] = True,
+    prefix_cache: Annotated[
+        bool,
+        option(
+            "--prefix-cache/--no-prefix-cache",
+            "Reuse the cached KV of the longest prompt prefix another line read.",
+            panel=SPECULATION,
+        ),
+    ] = True,
     draft_policy: DraftPolicyOpt = DraftPolicy.auto,
     step_path: StepPathOpt = StepPath.auto,
     max_batch: MaxBatchOpt = 16,
@@ -184,6 +192,14 @@ def generate(
         int | None,
         option("--seed", "A line without 'seed' uses this + its line number.", panel=SAMPLING),
     ] = None,
+    n: Annotated[
+        int,
+        option(
+            "--n",
+            "Samples of each chat, completion or simple line without 'n' (a response: one).",
+            panel=SAMPLING,
+        ),
+    ] = 1,
     json_schema: Annotated[
         Path | None,
         option(
@@ -232,6 +248,7 @@ def generate(
             else None,
             shared_lookup=SharedLookupSettings(cache_mb=pl_shared_mb, scopes=pl_shared_scopes),
             forced_drafts=forced_drafts,
+            prefix_cache=prefix_cache,
             draft_policy=draft_policy.value,
             # Every line is constrained under --json-schema, and grammars run on
             # the host step only: auto picks it rather than fail each line.
@@ -268,13 +285,13 @@ def generate(
             skip_ids=skip_ids,
             stats_json=stats_json,
             progress=_view_mode(progress, console, out_path is None),
-            defaults=LineDefaults(params=params, scope=shared_scope, grammar=grammar),
+            defaults=LineDefaults(params=params, scope=shared_scope, grammar=grammar, n=n),
             settings={
                 "model": model,
                 "json_schema": None if json_schema is None else str(json_schema),
                 "engine": dataclasses.asdict(engine_cfg),
                 "runtime": dataclasses.asdict(runtime),
-                "sampling": dataclasses.asdict(params),
+                "sampling": dataclasses.asdict(params) | {"n": n},
                 "ray": None if cluster is None else dataclasses.asdict(cluster),
             },
         )

@@ -47,14 +47,13 @@ BATCH_URLS: dict[str, LineFormat] = {
 }
 SIMPLE_FIELDS = frozenset(
     {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed"}
-    | {"stop", "logprobs", "scope", "metadata", *SIMPLE_GRAMMAR_FIELDS}
+    | {"stop", "logprobs", "n", "scope", "metadata", *SIMPLE_GRAMMAR_FIELDS}
 )
 # Batch bodies carry more than metrale honours. These are accepted and ignored:
 BODY_IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options"})
 # ...and these only at the value that means "feature off", since anything else
 # would silently change what the caller asked for.
 BODY_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "stream": (False,),
     "echo": (False,),
     "best_of": (1,),
@@ -65,6 +64,7 @@ BODY_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
 }
 MAX_STOPS = 16
+MAX_N = 16  # choices one line may ask for
 
 __all__ = ["LineFault"]  # re-exported: parsing code raises it from here
 
@@ -85,6 +85,7 @@ class LineDefaults:
     params: SamplingParams = field(default_factory=SamplingParams)
     scope: str | None = None
     grammar: Grammar | None = None  # ``--json-schema FILE``: for lines that name none
+    n: int = 1  # ``--n``: choices of a line that says none
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class ParsedLine:
     metadata: Any = None
     grammar: Grammar | None = None
     echo: dict[str, Any] | None = None  # what a response object repeats of its body
+    n: int = 1  # choices: samples of the prompt, each from its own noise stream
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,20 @@ def encode(
     return Request(str(parsed.ref.number), tuple(ids), parsed.params, parsed.scope, parsed.grammar)
 
 
+def choices(request: Request, n: int) -> list[Request]:
+    """The ``n`` requests of a line: choice ``i`` is ``"line:i"`` and draws
+    from stream ``i``; a single choice keeps the line's own id."""
+    if n == 1:
+        return [request]
+    return [replace(request, request_id=f"{request.request_id}:{i}", choice=i) for i in range(n)]
+
+
+def line_of(request_id: str) -> tuple[int, int]:
+    """The line number and choice index a request id from ``choices`` names."""
+    line, _, choice = request_id.partition(":")
+    return int(line), int(choice or 0)
+
+
 def id_key(value: Any) -> str:
     """A hashable key for an output id; ``1`` and ``"1"`` stay different."""
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
@@ -210,8 +226,9 @@ def _parse_simple(
         params = replace(params, logprobs=_top(obj["logprobs"], "logprobs"))
     scope = _scope(obj.get("scope", defaults.scope), "scope")
     grammar = _without_stops(simple_grammar(obj) or defaults.grammar, params, "stop")
+    n = _n(obj.get("n"), "n", defaults.n)
     return ParsedLine(
-        ref, "simple", output_id, params, scope, prompt, messages, obj.get("metadata"), grammar
+        ref, "simple", output_id, params, scope, prompt, messages, obj.get("metadata"), grammar, n=n
     )
 
 
@@ -225,7 +242,7 @@ def _parse_body(
         if key in body and body[key] not in allowed:
             raise LineFault(f"body.{key}", f"is not supported (only {allowed[0]!r})")
     known = {"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature"}
-    known |= {"top_p", "top_k", "seed", "stop", "response_format", "logprobs"}
+    known |= {"top_p", "top_k", "seed", "stop", "response_format", "logprobs", "n"}
     known |= {"top_logprobs"} if fmt == "chat" else set()
     known |= BODY_IGNORED | set(BODY_DEFAULTS)
     unknown = sorted(set(body) - known)
@@ -244,7 +261,8 @@ def _parse_body(
     named = body.get("response_format") is not None
     grammar = batch_grammar(body) if named else defaults.grammar
     grammar = _without_stops(grammar, params, "body.stop")
-    return ParsedLine(ref, fmt, custom_id, params, scope, prompt, messages, grammar=grammar)
+    n = _n(body.get("n"), "body.n", defaults.n)
+    return ParsedLine(ref, fmt, custom_id, params, scope, prompt, messages, grammar=grammar, n=n)
 
 
 def _parse_responses(
@@ -278,10 +296,18 @@ def _body_logprobs(body: dict[str, Any], fmt: LineFormat) -> int | None:
     return 0 if top is None else _top(top, "body.top_logprobs")
 
 
+def _n(value: Any, name: str, default: int) -> int:
+    return default if value is None else _bounded(value, name, 1, MAX_N)
+
+
 def _top(value: Any, name: str) -> int:
-    count = _int(value, name, 0)
-    if count > MAX_TOP_LOGPROBS:
-        raise LineFault(name, f"must be at most {MAX_TOP_LOGPROBS}, got {count}")
+    return _bounded(value, name, 0, MAX_TOP_LOGPROBS)
+
+
+def _bounded(value: Any, name: str, lo: int, hi: int) -> int:
+    count = _int(value, name, lo)
+    if count > hi:
+        raise LineFault(name, f"must be at most {hi}, got {count}")
     return count
 
 

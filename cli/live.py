@@ -90,8 +90,13 @@ def summary_line(stats: EngineStats, counters: RunCounters) -> str:
     mtp = _rate(stats.mtp_accepted, stats.mtp_proposed)
     return (
         f"metrale: {headline(stats, counters)}, {stats.mean_tokens_per_verify:.2f} tokens/verify, "
-        f"copies {copies} accepted, MTP {mtp} accepted"
+        f"copies {copies} accepted, MTP {mtp} accepted, "
+        f"prefix cache {_hits(stats)}"
     )
+
+
+def _hits(stats: EngineStats) -> str:
+    return f"{100.0 * stats.prefix_hit_rate:.1f}% hits" if stats.prefix_cache else "off"
 
 
 def speculation_table(stats: EngineStats) -> Table:
@@ -126,10 +131,26 @@ def verify_line(stats: EngineStats) -> str:
     )
 
 
+def prefix_line(stats: EngineStats) -> str:
+    """What the prefix cache saved: requests that reused a prefix, and the
+    prompt tokens they did not prefill."""
+    if not stats.prefix_cache:
+        return "prefix cache: off"
+    return (
+        f"prefix cache: {stats.prefix_hits}/{stats.admitted} requests hit "
+        f"({100.0 * stats.prefix_hit_rate:.1f}%), {stats.cached_tokens} of "
+        f"{stats.prompt_tokens} prompt tokens not prefilled"
+    )
+
+
 def final_view(stats: EngineStats) -> RenderableType:
-    """The table and the mean acceptance length under it, then what the
-    draft budget chose, once it has planned a step."""
-    parts: list[RenderableType] = [speculation_table(stats), Text(verify_line(stats))]
+    """The table and the mean acceptance length under it, what the prefix
+    cache saved, then what the draft budget chose, once it has planned a step."""
+    parts: list[RenderableType] = [
+        speculation_table(stats),
+        Text(verify_line(stats)),
+        Text(prefix_line(stats)),
+    ]
     if stats.budget is not None and stats.budget.steps:
         parts.append(budget_table(stats.budget))
     return Group(*parts)

@@ -69,6 +69,7 @@ RANGES: dict[str, Range] = {
     "--top-p": Range(0, 1, lo_open=True),
     "--top-k": Range(0, 1 << 24),
     "--seed": Range(0, (1 << 63) - 1),
+    "--n": Range(1, 16),
     # bench
     "--prompts": Range(1),
     "--repeats": Range(1),

@@ -17,6 +17,7 @@ Ids in batch records are derived from the line number (``batch_req_7``,
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -30,37 +31,33 @@ from metrale.engine.api import RequestStats, Result
 from metrale.engine.stats import EngineStats
 
 
-def result_record(parsed: ParsedLine, result: Result, model_name: str) -> dict[str, Any]:
-    """The record for a request the engine finished (or failed)."""
-    if result.error is not None:
+def result_record(parsed: ParsedLine, results: Sequence[Result], model_name: str) -> dict[str, Any]:
+    """The record for a line the engine finished (or failed): ``results``
+    holds its ``n`` choices in order. One failed choice fails the line."""
+    failed = next((r for r in results if r.error is not None), None)
+    if failed is not None:
+        assert failed.error is not None
         return _failure(
             parsed.ref.where,
             parsed.ref.number,
             parsed.format,
             parsed.output_id,
             None,
-            result.error,
+            failed.error,
             status=500,
         )
+    first = results[0]
+    completion = sum(r.completion_tokens for r in results)
+    # The prompt counts once, as OpenAI counts it for n choices: the line
+    # read it once, and its other choices forked from that reading.
     usage = {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
-    logprobs, tokens = result.logprobs, result.token_bytes
     if parsed.format == "simple":
-        record: dict[str, Any] = {
-            "id": parsed.output_id,
-            "text": result.text,
-            "finish_reason": result.finish_reason,
-            "usage": usage,
-            "speculation": speculation(result.stats, parsed.grammar is not None),
-        }
-        if logprobs is not None:
-            record["logprobs"] = simple_logprobs(logprobs, tokens)
-        if parsed.metadata is not None:
-            record["metadata"] = parsed.metadata
-        return record
+        return _simple_record(parsed, results, usage)
     n = parsed.ref.number
     if parsed.format == "chat":
         body: dict[str, Any] = {
@@ -70,17 +67,20 @@ def result_record(parsed: ParsedLine, result: Result, model_name: str) -> dict[s
             "model": model_name,
             "choices": [
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": result.text},
-                    "finish_reason": result.finish_reason,
-                    "logprobs": chat_logprobs(logprobs, tokens) if logprobs is not None else None,
+                    "index": i,
+                    "message": {"role": "assistant", "content": r.text},
+                    "finish_reason": r.finish_reason,
+                    "logprobs": chat_logprobs(r.logprobs, r.token_bytes)
+                    if r.logprobs is not None
+                    else None,
                 }
+                for i, r in enumerate(results)
             ],
             "usage": usage,
         }
     elif parsed.format == "response":
         sampling = {"temperature": parsed.params.temperature, "top_p": parsed.params.top_p}
-        body = response_object(n, result, model_name, parsed.echo or {}, sampling)
+        body = response_object(n, first, model_name, parsed.echo or {}, sampling)
     else:
         body = {
             "id": f"cmpl-{n}",
@@ -89,13 +89,14 @@ def result_record(parsed: ParsedLine, result: Result, model_name: str) -> dict[s
             "model": model_name,
             "choices": [
                 {
-                    "index": 0,
-                    "text": result.text,
-                    "finish_reason": result.finish_reason,
-                    "logprobs": completion_logprobs(logprobs, tokens)
-                    if logprobs is not None
+                    "index": i,
+                    "text": r.text,
+                    "finish_reason": r.finish_reason,
+                    "logprobs": completion_logprobs(r.logprobs, r.token_bytes)
+                    if r.logprobs is not None
                     else None,
                 }
+                for i, r in enumerate(results)
             ],
             "usage": usage,
         }
@@ -106,6 +107,31 @@ def result_record(parsed: ParsedLine, result: Result, model_name: str) -> dict[s
         "response": response,
         "error": None,
     }
+
+
+def _simple_record(
+    parsed: ParsedLine, results: Sequence[Result], usage: dict[str, Any]
+) -> dict[str, Any]:
+    """A simple record: ``text`` and ``finish_reason`` for one choice, a
+    ``choices`` list of them for ``n > 1``."""
+    constrained = parsed.grammar is not None
+    choices = []
+    for i, r in enumerate(results):
+        choice: dict[str, Any] = {"index": i, "text": r.text, "finish_reason": r.finish_reason}
+        if r.logprobs is not None:
+            choice["logprobs"] = simple_logprobs(r.logprobs, r.token_bytes)
+        choice["speculation"] = speculation(r.stats, constrained)
+        choices.append(choice)
+    record: dict[str, Any] = {"id": parsed.output_id}
+    if len(choices) == 1:
+        del choices[0]["index"]
+        speculation_figures = choices[0].pop("speculation")
+        record |= choices[0] | {"usage": usage, "speculation": speculation_figures}
+    else:
+        record |= {"choices": choices, "usage": usage}
+    if parsed.metadata is not None:
+        record["metadata"] = parsed.metadata
+    return record
 
 
 def error_record(err: LineError) -> dict[str, Any]:

@@ -115,7 +115,10 @@ def response_object(
         **echo,
         "usage": {
             "input_tokens": result.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {
+                "cached_tokens": result.cached_tokens,
+                "cache_write_tokens": 0,
+            },
             "output_tokens": result.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": result.prompt_tokens + result.completion_tokens,

@@ -37,8 +37,10 @@ from metrale.cli.jsonl import (
     LineFormat,
     ParsedLine,
     Tokenizer,
+    choices,
     encode,
     id_key,
+    line_of,
     parse_line,
 )
 from metrale.cli.live import RunCounters, live_view
@@ -96,7 +98,8 @@ def run(plan: RunPlan, backend: Backend, out: LineSink, console: Console) -> int
     defaults = replace(
         plan.defaults, params=replace(plan.defaults.params, eos_token_ids=backend.eos_token_ids)
     )
-    pending: dict[int, ParsedLine] = {}
+    # Lines in the engine: each with its choices' results as they finish.
+    pending: dict[int, tuple[ParsedLine, list[Result | None]]] = {}
 
     def requests() -> Iterator[Request | None]:
         fallback: LineFormat = "simple"
@@ -113,8 +116,8 @@ def run(plan: RunPlan, backend: Backend, out: LineSink, console: Console) -> int
             if isinstance(parsed, ParsedLine):
                 encoded = encode(parsed, backend.tokenizer, backend.max_len, backend.limit)
                 if isinstance(encoded, Request):
-                    pending[ref.number] = parsed
-                    yield encoded
+                    pending[ref.number] = (parsed, [None] * parsed.n)
+                    yield from choices(encoded, parsed.n)
                     continue
                 request = encoded
             assert request is not None
@@ -129,9 +132,15 @@ def run(plan: RunPlan, backend: Backend, out: LineSink, console: Console) -> int
             # Standard input may be a slow pipe: read it on its own thread.
             source = prefetched(requests()) if "-" in plan.inputs else requests()
             for result in backend.generate(source):
-                parsed = pending.pop(int(result.request_id))
-                record = result_record(parsed, result, backend.name)
-                writer.put(parsed.ref.number, record, failed=result.error is not None)
+                number, choice = line_of(result.request_id)
+                parsed, results = pending[number]
+                results[choice] = result
+                if any(r is None for r in results):
+                    continue
+                del pending[number]
+                done = [r for r in results if r is not None]
+                record = result_record(parsed, done, backend.name)
+                writer.put(number, record, failed=any(r.error is not None for r in done))
         except KeyboardInterrupt as exc:
             stopped, status = exc, stop_status(exc)
         except BrokenPipeError:
@@ -209,7 +218,8 @@ def run_figures(
     ``mean_tokens_per_verify`` counts the bonus token. ``forced`` counts the
     grammars' forced drafts; ``grammar`` the constrained requests, the tokens
     they emitted and the time their grammars took, in total and per token;
-    ``draft_budget`` what the budget chose and measured (``cli/budget_view.py``;
+    ``prefix_cache`` the requests that reused a cached prompt prefix and
+    the prompt tokens they did not prefill; ``draft_budget`` what the budget chose and measured (``cli/budget_view.py``;
     null under ``--draft-policy fixed``)."""
     return {
         "model": model,
@@ -223,6 +233,14 @@ def run_figures(
         "verify_tokens": stats.verify_tokens,
         "prefills": stats.prefills,
         "mean_tokens_per_verify": stats.mean_tokens_per_verify,
+        "prefix_cache": {
+            "on": stats.prefix_cache,
+            "requests": stats.admitted,
+            "hits": stats.prefix_hits,
+            "hit_rate": stats.prefix_hit_rate,
+            "cached_tokens": stats.cached_tokens,
+            "prefilled_tokens": stats.prompt_tokens - stats.cached_tokens,
+        },
         "wall_s": wall_s,
         "tokens_per_s": stats.generated_tokens / wall_s if wall_s > 0 else 0.0,
         **copy_figures(stats),

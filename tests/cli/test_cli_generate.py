@@ -45,7 +45,12 @@ def test_simple_lines_from_stdin_give_jsonl_only_on_stdout(opener: FakeOpener) -
     by_id = {r["id"]: r for r in out}
     assert by_id["a"]["text"] == "olleh" and by_id["a"]["finish_reason"] == "stop"
     assert by_id[2]["text"] == "cb" and by_id[2]["finish_reason"] == "length"  # line number
-    assert by_id["a"]["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+    assert by_id["a"]["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 5,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     spec = by_id["a"]["speculation"]
     assert spec["prompt_lookup"]["copies"] == 1 and spec["mtp"] == {"proposed": 2, "accepted": 1}
     assert "2/? requests" in result.stderr
@@ -98,7 +103,7 @@ def test_bad_lines_become_error_records_and_the_rest_is_generated(
         '{"id": "bt", "prompt": "x", "temperature": -1}\n'
         '{"id": "long", "prompt": "' + "y" * 1021 + '"}\n'
         "\n"
-        '{"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"n": 2, "prompt": "q"}}\n'
+        '{"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"n": 17, "prompt": "q"}}\n'
         '{"id": "last", "prompt": "end"}\n'
     )
     result = invoke([str(src), "--max-tokens", "4"])

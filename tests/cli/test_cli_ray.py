@@ -91,13 +91,16 @@ def generate(args: list[str], status: int = 1) -> Any:
 
 
 def comparable(path: Path) -> list[bytes]:
-    """The output lines without the one field that is a clock: a Batch body's
-    ``created``."""
+    """The output lines without the fields that say how the run went rather
+    than what it wrote: a Batch body's ``created`` (a clock) and the prompt
+    tokens a line found in its engine's prefix cache (each worker has its own)."""
     lines = []
     for raw in path.read_bytes().splitlines():
         record = orjson.loads(raw)
         if "custom_id" in record and "created" in record["response"]["body"]:
             del record["response"]["body"]["created"]
+        body = record["response"]["body"] if "custom_id" in record else record
+        body.get("usage", {}).pop("prompt_tokens_details", None)
         lines.append(orjson.dumps(record))
     return lines
 

@@ -135,7 +135,9 @@ def test_batch_lines_are_detected_by_custom_id_and_url() -> None:
         ({"custom_id": "", "url": "/v1/completions", "body": {}}, "custom_id"),
         ({"custom_id": "c", "url": "/v1/embeddings", "body": {}}, "url"),
         ({"custom_id": "c", "method": "GET", "url": "/v1/completions", "body": {}}, "method"),
-        ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "a", "n": 3}}, "body.n"),
+        ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "a", "n": 17}}, "body.n"),
+        ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "a", "n": 0}}, "body.n"),
+        ({"prompt": "a", "n": 17}, "n"),
         ({"custom_id": "c", "url": "/v1/chat/completions", "body": {"prompt": "a"}}, "body.prompt"),
         (
             {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "a", "tools": [1]}},
@@ -225,17 +227,17 @@ def test_records_keep_the_input_format() -> None:
     stats = RequestStats(verifies=1, verify_tokens=2)
     stats.prompt_lookup.observe(1, 1, shared=False)
     result = Result("7", 3, (1, 2), "hey", "stop", stats)
-    simple = result_record(ok({"id": "q", "prompt": "p", "metadata": {"k": 1}}), result, "m")
+    simple = result_record(ok({"id": "q", "prompt": "p", "metadata": {"k": 1}}), [result], "m")
     assert simple["id"] == "q" and simple["text"] == "hey" and simple["metadata"] == {"k": 1}
     assert simple["speculation"]["mean_tokens_per_verify"] == 2.0
     assert simple["speculation"]["prompt_lookup"] == {"copies": 1, "proposed": 1, "accepted": 1}
     assert simple["speculation"]["shared_lookup"] == {"copies": 0, "proposed": 0, "accepted": 0}
     line = ok({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "p"}})
-    batch = result_record(line, result, "m")
+    batch = result_record(line, [result], "m")
     assert batch["custom_id"] == "c" and batch["id"] == "batch_req_7"
     assert batch["response"]["body"]["choices"][0]["text"] == "hey"
     failed = Result("7", 3, (), "", "error", RequestStats(), error="boom")
-    assert result_record(line, failed, "m")["response"]["status_code"] == 500
+    assert result_record(line, [failed], "m")["response"]["status_code"] == 500
     err = error_record(fault({"custom_id": "c", "url": "/v1/x", "body": {}}))
     assert err["response"]["body"]["error"]["param"] == "url"
     assert "line in.jsonl:7" in err["response"]["body"]["error"]["message"]

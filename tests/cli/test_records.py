@@ -56,7 +56,7 @@ def test_chat_logprobs_parse_as_choice_logprobs_with_bytes_and_tops() -> None:
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
     )
-    body = result_record(line, result(), "m")["response"]["body"]
+    body = result_record(line, [result()], "m")["response"]["body"]
     completion = ChatCompletion.model_validate(body)
     content = completion.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and [c.token for c in content] == ["h", "bytes:\\xc3"]
@@ -66,7 +66,7 @@ def test_chat_logprobs_parse_as_choice_logprobs_with_bytes_and_tops() -> None:
 
 def test_completion_logprobs_parse_with_offsets_and_top_dicts() -> None:
     line = parsed("/v1/completions", {"prompt": "x", "logprobs": 2})
-    body = result_record(line, result(), "m")["response"]["body"]
+    body = result_record(line, [result()], "m")["response"]["body"]
     logprobs = Completion.model_validate(body).choices[0].logprobs
     assert logprobs is not None
     assert logprobs.tokens == ["h", "bytes:\\xc3"] and logprobs.token_logprobs == [-0.25, -2.0]
@@ -77,7 +77,7 @@ def test_completion_logprobs_parse_with_offsets_and_top_dicts() -> None:
 @pytest.mark.parametrize(("finish", "status"), [("stop", "completed"), ("length", "incomplete")])
 def test_a_response_parses_with_its_status_and_usage(finish: str, status: str) -> None:
     line = parsed("/v1/responses", {"input": "x", "instructions": "be brief"})
-    body = result_record(line, result(finish, logprobs=False), "m")["response"]["body"]
+    body = result_record(line, [result(finish, logprobs=False)], "m")["response"]["body"]
     response = Response.model_validate(body)
     assert response.status == status and response.output_text == "h\ufffd"
     assert (response.incomplete_details is not None) == (status == "incomplete")
