@@ -110,6 +110,21 @@ def describe_kv_cache(facts: ModelInfo) -> str:
     )
 
 
+def describe_prefix_cache(loaded: LoadedModel) -> str:
+    """Whether ``generate`` reuses cached prompt prefixes for this model, and
+    why not where it cannot (``engine/prefix_cache.py``)."""
+    from metrale.engine.prefix_cache import copiers
+
+    if copiers(loaded.model, loaded.mtp) is not None:
+        return "on: a line reuses the longest prompt prefix a slot holds (--no-prefix-cache)"
+    if loaded.info.state_bytes_per_slot:
+        return (
+            "off: the gated DeltaNet layers keep their recurrent state at each line's end "
+            "only, never at a prefix of it, so every line prefills its whole prompt"
+        )
+    return "off: this runtime cannot copy cache rows between slots"
+
+
 def info(
     model: Annotated[
         str | None,
@@ -184,6 +199,7 @@ def info(
         ("MTP layers", mtp_text),
         ("KV bytes per token", f"{facts.kv_bytes_per_token:,} (as the cache stores it)"),
         ("KV cache", describe_kv_cache(facts)),
+        ("prefix cache", describe_prefix_cache(loaded)),
         ("step", step),
         ("graphs", graph_shapes(loaded, step)),
         ("EOS ids", ", ".join(map(str, loaded.eos_token_ids))),

@@ -33,8 +33,8 @@ from metrale.engine.config import EngineConfig
 from metrale.engine.kernels.binding import packed_kernel
 from metrale.engine.load.home import metrale_home
 from metrale.engine.logprobs import TokenBytes
-from metrale.engine.prefix_cache import PrefixCache
-from metrale.engine.runtime.model import CopiesPrefixes, Model, MtpModule
+from metrale.engine.prefix_cache import PrefixCache, copiers
+from metrale.engine.runtime.model import Model, MtpModule
 from metrale.engine.sampling import noise_key
 from metrale.engine.sequence import Decode, SeqState, error_result
 from metrale.engine.spec.auto import AutoPolicy
@@ -406,15 +406,11 @@ def _prefix_cache(
     Module ``k`` of a host stack reads token ``p+1+k`` at row ``p``, so the
     copies lag the shared prefix by the stack's depth; the device step runs
     one module."""
-    copiers = [model, *mtp]
-    if not config.prefix_cache or not all(
-        isinstance(c, CopiesPrefixes) and c.copies_prefixes for c in copiers
-    ):
+    found = copiers(model, mtp) if config.prefix_cache else None
+    if found is None:
         return None
     lag = (1 if device else len(mtp)) if mtp else 0
-    return PrefixCache(
-        [c for c in copiers if isinstance(c, CopiesPrefixes)], num_slots, lag, device
-    )
+    return PrefixCache(found, num_slots, lag, device)
 
 
 def _kernel_build(weights: str) -> str:

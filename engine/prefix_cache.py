@@ -45,11 +45,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from metrale.engine.runtime.model import CopiesPrefixes
+from metrale.engine.runtime.model import CopiesPrefixes, Model, MtpModule
 from metrale.engine.sequence import SeqState
 
 # Fewer shared positions than this are not worth waiting for or copying.
 MIN_REUSE = 8
+
+
+def copiers(model: Model, mtp: Sequence[MtpModule]) -> list[CopiesPrefixes] | None:
+    """The main model and each MTP module, where every one of them can copy
+    a prefix into another slot; None where any cannot (no reuse at all)."""
+    found = [c for c in (model, *mtp) if isinstance(c, CopiesPrefixes) and c.copies_prefixes]
+    return found if len(found) == 1 + len(mtp) else None
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,9 @@ def test_info_prints_architecture_and_mtp(tmp_path: Path) -> None:
     assert "llama" in result.output
     assert "deepseek x 2" in result.output
     assert "context length" in result.output and "512" in result.output
+    assert "prefix cache on: a line reuses the longest prompt prefix" in " ".join(
+        result.output.split()
+    )
 
 
 def test_info_on_a_bad_model_exits_2_with_the_reason(tmp_path: Path) -> None:

@@ -214,6 +214,7 @@ def test_info_shows_the_linear_layers_and_the_state_each_slot_holds(tmp_path: Pa
     assert f"with {state / 2**20:,.2f} MiB of linear-layer state per slot" in text
     # 2 attention layers + 1 MTP layer, keys and values of 2 heads of 16, float32
     assert f"KV bytes per token {3 * 2 * 2 * 16 * 4:,}" in text
+    assert "prefix cache off: the gated DeltaNet layers keep their recurrent state" in text
 
 
 def test_a_line_with_an_image_is_refused_as_text_only() -> None:
