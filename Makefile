@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The shipped sample workload `make run` generates on.
 RUN_INPUT ?= sample_prompts/code_edits.jsonl
 
-.PHONY: all setup run test lint typecheck pytest docs bench bench-lookup bench-runtime bench-kernel bench-gguf bench-engine bench-startup bench-grammar bench-ray bench-memory bench-budget bench-cli bench-ablation mtp-head mtp-eval gpu-check gpu-wheels clean
+.PHONY: all setup run test lint typecheck pytest docs bench bench-lookup bench-runtime bench-kernel bench-gguf bench-engine bench-startup bench-grammar bench-ray bench-memory bench-budget bench-cli bench-prefix bench-ablation mtp-head mtp-eval gpu-check gpu-wheels clean
 
 all: test
 
@@ -129,6 +129,13 @@ bench-ablation: setup
 BENCH_CLI_SETS ?= bench_prompts/short_answers.jsonl bench_prompts/log_summaries.jsonl bench_prompts/chat_tasks.jsonl bench_prompts/code_gen.jsonl
 bench-cli: setup
 	$(PY) -m metrale.cli.bench_runs $(BENCH_CLI_SETS) --batches 1,16
+
+# The prefix cache and n, as whole `metrale generate` processes on the default
+# model: 16 lines sharing a 1,500-token system prompt with and without the
+# cache, and 4 prompts x n=8 sampled against 32 separate lines without it.
+# Writes the bench-prefix section of docs/benchmarks.md.
+bench-prefix: setup
+	$(PY) -m metrale.cli.bench_prefix
 
 # The same job in one process and on a local Ray (--ray local --ray-workers 2),
 # the outputs checked identical, tok/s of both and their ratio.

@@ -164,6 +164,8 @@ def record_text(record: dict[str, Any]) -> tuple[str, str]:
         return str(record["custom_id"]), text
     if record.get("finish_reason") == "error":
         raise SystemExit(f"line {record.get('id')} failed: {record.get('error')}")
+    if "choices" in record:  # n > 1: every choice's text, in order
+        return str(record["id"]), json.dumps([c["text"] for c in record["choices"]])
     return str(record["id"]), record["text"]
 
 
