@@ -240,7 +240,10 @@ def test_the_shipped_head_loads_with_the_default_model_and_drafts() -> None:
         prompt = prompt["input_ids"]
     params = SamplingParams(max_tokens=12, eos_token_ids=loaded.eos_token_ids)
     request = Request("r", tuple(prompt), params)
-    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=1, prompt_lookup=None))
+    # The fixed policy: under auto whether a chain drafts at all follows
+    # this machine's timings of the head.
+    config = EngineConfig(max_batch=1, prompt_lookup=None, draft_policy="fixed")
+    engine = Engine.from_loaded(loaded, config)
     (result,) = list(engine.generate([request]))
     stats = engine.stats()
     assert stats.mtp_proposed > 0 and stats.mtp_accepted > 0
@@ -286,11 +289,13 @@ def test_the_command_writes_a_head_and_card_that_load(tiny: LoadedModel, tmp_pat
     assert head.draft_vocab is not None and head.draft_vocab.numel() == 40
     missing = CliRunner().invoke(app, [*args[:4], "--data", "nope.txt", "--out", str(out)])
     assert missing.exit_code == 2
-    # The head drafts for its model through `generate --mtp-head`, output unchanged.
+    # The head drafts for its model through `generate --mtp-head`, output
+    # unchanged. The fixed policy: under auto whether a chain drafts at all
+    # follows this machine's timings of the head.
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "the quick brown fox"}\n{"prompt": "over the lazy"}\n')
     base = ["generate", str(src), "--model", str(model_dir), "--max-tokens", "12"]
-    base += ["--no-prompt-lookup", "--dtype", "float32"]
+    base += ["--no-prompt-lookup", "--dtype", "float32", "--draft-policy", "fixed"]
     texts, proposed = {}, {}
     for name, extra in {"plain": ["--no-mtp"], "head": ["--mtp-head", str(out)]}.items():
         stats = tmp_path / f"{name}.json"
