@@ -38,6 +38,7 @@ from metrale.engine.runtime.model import Model, MtpModule
 from metrale.engine.sampling import noise_key
 from metrale.engine.sequence import Decode, SeqState, error_result
 from metrale.engine.spec.auto import AutoPolicy
+from metrale.engine.spec.copies import lookup_of
 from metrale.engine.spec.cost import CostCache, CostModel
 from metrale.engine.spec.grammar import GrammarCompiler, GrammarError
 from metrale.engine.spec.matcher import GrammarMatcher
@@ -373,7 +374,7 @@ class Engine:
             running=len(running) + attached,
             waiting=len(queues.waiting),
             copies=self._copies,
-            windows=[s.prompt_lookup.window for s in running if s.prompt_lookup is not None],
+            windows=[w.window for w in map(lookup_of, running) if w is not None],
             wall_s=time.perf_counter() - self._started,
             budget=self.policy.snapshot(final),
         )

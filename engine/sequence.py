@@ -13,7 +13,10 @@ Contract (owned by the engine loop, one ``SeqState`` per admitted request):
 - ``pending_drafts`` are the drafts the next verify checks after
   ``last_token``: an MTP chain, a copy or a grammar's forced run. Acceptance
   compares them with the tokens the verify chooses, so how a draft was made
-  never matters to it.
+  never matters to it. Each draft source keeps its own per-sequence state,
+  not here: the copies' lookup (``spec/copies.py``), whether the chain
+  declined (``spec/mtp.py``), the forced run and the verify rows' masks
+  (``spec/constrained.py``).
 - ``noise_key`` (sampled requests only) keys every token the sequence draws
   (``sampling.py``): the token at a position is a function of the key, the
   position and the distribution there.
@@ -22,8 +25,7 @@ Contract (owned by the engine loop, one ``SeqState`` per admitted request):
   by ``verify_rows`` when the model can roll back only that wide a verify
   (gated DeltaNet layers, ``runtime/linear_state.py``).
 - ``grammar`` (constrained requests only) has consumed exactly the emitted
-  tokens. ``forced_drafts`` and ``masks`` live for one step: the grammar's
-  forced run this step (``spec/constrained.py``), and the verify rows' masks.
+  tokens.
 - ``logprobs`` (requests that ask for them) holds one ``TokenLogprob`` per
   output token, in step with ``output_ids``.
 - ``cached`` prompt positions came from another slot's cache
@@ -42,10 +44,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from metrale.engine.api import FinishReason, Request, RequestStats, Result, TokenLogprob
-from metrale.lookup import PromptLookupSeq, ScopeKey
+from metrale.lookup import ScopeKey
 
 if TYPE_CHECKING:
-    from metrale.engine.spec.matcher import GrammarMatcher, RowMasks
+    from metrale.engine.spec.matcher import GrammarMatcher
 
 Decode = Callable[[Sequence[int]], str]
 TokenBytes = Callable[[int], bytes]
@@ -62,14 +64,10 @@ class SeqState:
     history: list[int] = field(default_factory=list)
     seq_len: int = 0
     pending_drafts: list[int] = field(default_factory=list)
-    drafts_declined: bool = False  # the MTP drafter found no draft likely enough
-    prompt_lookup: PromptLookupSeq | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     finish_reason: FinishReason | None = None
     stop_text: str | None = None  # the text cut before a stop string, once one was hit
     grammar: GrammarMatcher | None = None
-    forced_drafts: list[int] = field(default_factory=list)
-    masks: RowMasks | None = None
     error: str | None = None
     verify_rows: int | None = None  # the model's widest verify; None: any
     logprobs: list[TokenLogprob] | None = None

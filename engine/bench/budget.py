@@ -22,14 +22,10 @@ configuration's time is the sum of its own steps. Outputs are the same
 tokens in every configuration, so all five write the same stretch of text
 over the same stretch of wall time. At ``--batch`` an engine decodes the
 batch as one run; at batch 1 it decodes the requests in order, one at a
-time. The speed of a shared machine drifts by 10-40% over tens of seconds:
-a configuration whose run fell on a slow stretch was measured slow, first
-when each ran a whole batch in turn, then at 16 sequences when they took
-turns run by run, and still when each took one step in turn: at batch 1 on
-prose, copies took 1,360 steps for what no drafts took in 1,504 and the
-budget in 949, so the budget's run ended with a third of the others' steps
-to go, and those met stretches of the machine it never saw (paired ratios
-of the same code moved by 10% and more from round to round).
+time. The speed of a shared machine drifts over tens of seconds, so
+configurations that took turns by whole batches, whole runs or a fixed
+number of steps each met stretches of the machine the others never saw;
+taking turns by tokens written keeps them side by side to the end.
 
 It prints each one's median tokens/s, which fixed configuration was best
 (the highest median), and the budget's ratio to it twice: the ratio of the
@@ -220,7 +216,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.rounds_json is not None:
                 found[f"{path.stem}/{batch}"] = rounds
                 args.rounds_json.write_text(json.dumps(found, indent=1))
-    write_section(args.docs, "bench-budget", stamp() + "\n\n" + "\n".join(table))
+    tokens = (
+        f"at most {args.max_tokens} tokens a line" if args.max_tokens else "each line's max_tokens"
+    )
+    settings = (
+        f"{args.repeats} rounds at batch 1 (the first {args.single} lines, one at a time), "
+        f"{args.batch_repeats} at batch {args.batch} (the first {args.batch} together); {tokens}."
+    )
+    write_section(args.docs, "bench-budget", f"{stamp()}\n\n{settings}\n\n" + "\n".join(table))
 
 
 if __name__ == "__main__":

@@ -45,9 +45,11 @@ import torch
 from metrale.engine.config import MtpLadder
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.budget import Candidates, DraftBudget
+from metrale.engine.spec.constrained import forced_of
 from metrale.engine.spec.copies import (
     CopyTaken,
     copy_path_cap,
+    lookup_of,
     propose_copy,
 )
 from metrale.engine.spec.cost import CostModel, calibrate_model
@@ -95,7 +97,8 @@ def take_planned_drafts(
         own = budget.for_seq(seq)
         # A forced run that matched the chain's first drafts stands in their
         # place (``take_forced``): the chain's keys move past them too.
-        offset = len(seq.forced_drafts) if seq.forced_drafts and seq.pending_drafts else 0
+        forced = forced_of(seq)
+        offset = len(forced) if forced and seq.pending_drafts else 0
         own.chain_keys = own.chain_keys[offset : offset + len(seq.pending_drafts)]
         chain = list(seq.pending_drafts[: len(own.chain_keys)])
         copy = None
@@ -103,8 +106,9 @@ def take_planned_drafts(
             chain = []
         if copies_on and cfg is not None:
             copy = propose_copy(seq, cfg, shared, path_cap, 0, longest=True)
-        sure = 1 + len(seq.forced_drafts)
-        agreement = seq.prompt_lookup.agreement if copy and seq.prompt_lookup else 0
+        sure = 1 + len(forced)
+        lookup = lookup_of(seq)
+        agreement = lookup.agreement if copy and lookup is not None else 0
         if "agreement" in budget.without:
             agreement = 0
         candidates.append(Candidates(seq, sure, chain, copy or [], agreement))
@@ -112,12 +116,12 @@ def take_planned_drafts(
     took: list[CopyTaken] = []
     offers: list[Offer] = []
     for c, (source, n) in zip(candidates, picked, strict=True):
-        seq, lookup = c.seq, c.seq.prompt_lookup
+        seq, lookup = c.seq, lookup_of(c.seq)
         if source == "copy":
             assert lookup is not None
             lookup.cut_in_flight(n)
             seq.set_drafts(c.copy[:n])
-            took.append(CopyTaken(seq, seq.seq_len + len(seq.forced_drafts)))
+            took.append(CopyTaken(seq, seq.seq_len + len(forced_of(seq))))
         else:
             if c.copy and lookup is not None:
                 lookup.abandon()

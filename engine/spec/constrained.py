@@ -5,7 +5,8 @@ Owner: the engine loop (``engine.py``), for the sequences whose request has
 a grammar (``seq.grammar``). In step order:
 
 1. ``take_forced`` (before the copies): the grammar's forced continuation
-   from the state after ``last_token`` becomes ``seq.forced_drafts``. The MTP
+   from the state after ``last_token`` becomes the forced run
+   (``forced_of``). The MTP
    chain drafted last step stands at the same positions: it goes on after the
    forced run only when its first drafts are the forced tokens (later drafts
    were drawn after those, so after anything else they predict nothing);
@@ -14,14 +15,19 @@ a grammar (``seq.grammar``). In step order:
    (``copies.py``), cut to the prefix the grammar allows.
 2. ``check_drafts`` (before the verify): the drafts become ``forced + (copy or
    MTP chain)``; the matcher walks through them to give each verify row its
-   mask, and the first draft the grammar forbids cuts the rest
-   (``seq.masks``).
+   mask, and the first draft the grammar forbids cuts the rest; a copy in
+   flight is cut with it (``copies.fit_copy``).
 3. ``accept_constrained`` (in the verify): each row chooses its token under
    its mask (greedy: the masked argmax; sampled: drawn from the masked,
    renormalised target with the request's key at the row's position), and
    ``accept_drafts`` keeps the drafts equal to them. A forced draft is the
    only token its row allows, so it is always the chosen one.
 4. ``GrammarMatcher.advance`` with the emitted tokens only.
+
+The forced run and the rows' masks are this module's, kept per sequence
+for one step: the forced run from ``take_forced`` until the verify is
+counted (``clear_forced``), the masks from ``check_drafts`` until
+``accept_constrained`` reads them.
 
 Why the output stays exactly plain constrained decoding: every emitted token
 is chosen from a row whose mask is the mask at the state of the tokens before
@@ -33,6 +39,7 @@ settles.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -42,28 +49,45 @@ from metrale.engine.sequence import SeqState
 from metrale.engine.spec.acceptance import accept_drafts
 from metrale.engine.spec.grammar import GrammarError
 from metrale.engine.spec.matcher import RowMasks
+from metrale.engine.spec.mtp import declined, mark_declined
 
 # Longest forced run drafted in one verify: forced rows are always accepted,
 # so the bound only keeps verify widths few.
 FORCED_MAX = 16
 
+# Each constrained sequence's forced run and verify rows' masks this step
+# (module doc).
+_forced: weakref.WeakKeyDictionary[SeqState, list[int]] = weakref.WeakKeyDictionary()
+_masks: weakref.WeakKeyDictionary[SeqState, RowMasks] = weakref.WeakKeyDictionary()
+
+
+def forced_of(seq: SeqState) -> list[int]:
+    """``seq``'s forced run this step: the first drafts its verify checks;
+    ``[]`` for an unconstrained sequence, or once the verify was counted."""
+    return _forced.get(seq, [])
+
+
+def clear_forced(seq: SeqState) -> None:
+    """Ends ``seq``'s forced run: its verify has been counted."""
+    _forced.pop(seq, None)
+
 
 def take_forced(seq: SeqState, enabled: bool) -> None:
-    """Sets a constrained sequence's forced run for this step (``[]`` when
+    """Sets a constrained sequence's forced run for this step (none when
     ``enabled`` is False) and aligns its MTP chain behind it (module doc)."""
-    seq.forced_drafts = []
+    clear_forced(seq)
     if seq.grammar is None or not enabled:
         return
     forced = seq.grammar.forced(min(FORCED_MAX, seq.draft_capacity()))
     if not forced:
         return
-    seq.forced_drafts = forced
+    _forced[seq] = forced
     chain, m = seq.pending_drafts, len(forced)
     if chain[:m] == forced and len(chain) > m:
         seq.set_drafts(chain[m:])
     else:
         # Like a drafter that declined: a copy may stand after the forced run.
-        seq.drafts_declined = seq.drafts_declined or bool(chain)
+        mark_declined(seq, declined(seq) or bool(chain))
         seq.set_drafts([])
 
 
@@ -72,7 +96,7 @@ def allowed_copy(seq: SeqState, copy: list[int]) -> list[int]:
     grammar forbids; whole for an unconstrained sequence."""
     if seq.grammar is None:
         return copy
-    forced = seq.forced_drafts
+    forced = forced_of(seq)
     return copy[: seq.grammar.allowed_prefix([*forced, *copy]) - len(forced)]
 
 
@@ -81,23 +105,14 @@ def check_drafts(seq: SeqState) -> None:
     first forbidden draft, with one mask per verify row (module doc)."""
     grammar = seq.grammar
     assert grammar is not None, "only a constrained sequence is checked"
-    forced, rest = seq.forced_drafts, seq.pending_drafts
+    forced, rest = forced_of(seq), seq.pending_drafts
     masks, kept = grammar.row_masks([*forced, *rest])
     began = time.perf_counter()
     m = len(forced)
     if kept < m:  # a forced token its own mask forbids: the grammar library's fault
         raise GrammarError(f"forced token {forced[kept]} is not allowed by its own mask")
-    tail = rest[: kept - m]
-    lookup = seq.prompt_lookup
-    if lookup is not None and lookup.in_flight > len(tail):
-        # Copies were cut to what the grammar allows when taken: this only
-        # keeps the copy's figures true should the two checks ever disagree.
-        if tail:
-            lookup.cut_in_flight(len(tail))
-        else:
-            lookup.abandon()
-    seq.set_drafts([*forced, *tail])
-    seq.masks = masks
+    seq.set_drafts([*forced, *rest[: kept - m]])
+    _masks[seq] = masks
     grammar.spent_s += time.perf_counter() - began
 
 
@@ -107,7 +122,7 @@ def accept_constrained(
     argmax: Sequence[int],  # [num_drafts + 1] the rows' unmasked argmax
 ) -> tuple[int, int]:
     """``(accepted, bonus)`` under the masks ``check_drafts`` set (module doc)."""
-    masks, grammar = seq.masks, seq.grammar
+    masks, grammar = _masks.get(seq), seq.grammar
     assert masks is not None and grammar is not None, "check_drafts runs before the verify"
     began = time.perf_counter()
     try:
@@ -128,7 +143,7 @@ def accept_constrained(
         chosen = sample_at(probs, [seq.noise_key] * rows, range(first, first + rows))
         return accept_drafts(drafts, chosen)
     finally:
-        seq.masks = None
+        _masks.pop(seq, None)
         grammar.spent_s += time.perf_counter() - began
 
 

@@ -1,14 +1,19 @@
 """Prompt-lookup copies inside the step: take them before the verify, settle
 them after.
 
-Owner: the engine loop (``engine.py``), which calls ``take_rounds_with_copies`` between the
-admit and verify phases and ``settle_copies`` right after the verify.
+Owner: the step (``step/``), through its draft policy, which takes copies
+(``take_rounds_with_copies``, ``propose_copy``) between the admit and verify
+phases; the step settles them right after the verify (``settle_copies``).
+Each sequence's prompt lookup (``PromptLookupSeq``: its window, cooldown and
+copy in flight) is this module's, kept for as long as the sequence lives
+(``lookup_of``).
 
 Invariants:
 - A copy replaces ``pending_drafts`` only for a sequence that holds drafts,
   or for any sequence when no MTP chain is drafted (a model without MTP
   layers: chain 0, plain prompt-lookup decoding), or for one whose drafter
-  declined to draft this step (no draft likely enough: chain 0).
+  declined to draft this step (no draft likely enough: chain 0,
+  ``mtp.declined``).
 - A copy is never longer than ``PromptLookupConfig.max_drafts``, the slot's draft
   capacity, nor, in a batch of two or more, 3 tokens (a batched verify takes at
   most 4 rows per sequence).
@@ -18,19 +23,23 @@ Invariants:
   were accepted (``drafter_accepted``): the verified tokens were not the ones
   it drafted.
 - Under a grammar a copy follows the sequence's forced run this step
-  (``seq.forced_drafts``, always accepted): it is proposed from the history
-  with the forced tokens appended, its caps count the forced tokens against
-  the slot's capacity, and it is cut at the first token the grammar forbids
-  before it is weighed against the chain (``constrained.allowed_copy``).
+  (``constrained.forced_of``, always accepted): it is proposed from the
+  history with the forced tokens appended, its caps count the forced tokens
+  against the slot's capacity, and it is cut at the first token the grammar
+  forbids before it is weighed against the chain (``constrained.allowed_copy``);
+  should the grammar's check before the verify cut it further, its figures
+  follow (``fit_copies``).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metrale.engine.sequence import SeqState
-from metrale.engine.spec.constrained import allowed_copy
+from metrale.engine.spec.constrained import allowed_copy, forced_of
+from metrale.engine.spec.mtp import declined
 from metrale.lookup import (
     Fallback,
     LookupStats,
@@ -42,6 +51,23 @@ from metrale.lookup import (
 
 # Drafts in the widest copy a batched verify takes (4 rows per sequence).
 BATCHED_COPY_MAX = 3
+
+# Each sequence's prompt lookup, made at its first copy (module doc).
+_lookups: weakref.WeakKeyDictionary[SeqState, PromptLookupSeq] = weakref.WeakKeyDictionary()
+
+
+def lookup_of(seq: SeqState) -> PromptLookupSeq | None:
+    """``seq``'s prompt lookup; None before it was first offered a copy."""
+    return _lookups.get(seq)
+
+
+def lookup_for(seq: SeqState, cfg: PromptLookupConfig, longest: bool = False) -> PromptLookupSeq:
+    """``seq``'s prompt lookup, made with ``cfg`` (and ``longest``, see
+    ``PromptLookupSeq``) if it has none yet."""
+    lookup = _lookups.get(seq)
+    if lookup is None:
+        lookup = _lookups[seq] = PromptLookupSeq(cfg, longest)
+    return lookup
 
 
 @dataclass(frozen=True)
@@ -55,7 +81,8 @@ class CopyTaken:
 
 def copy_in_flight(seq: SeqState) -> int:
     """Length of the copy ``seq`` verifies this step; 0 when its drafts are the MTP's."""
-    return seq.prompt_lookup.in_flight if seq.prompt_lookup is not None else 0
+    lookup = _lookups.get(seq)
+    return lookup.in_flight if lookup is not None else 0
 
 
 def drafter_accepted(seq: SeqState, accepted: int) -> int:
@@ -99,19 +126,17 @@ def take_rounds_with_copies(
     path_cap = copy_path_cap(cfg, len(seqs))
     took: list[CopyTaken] = []
     for seq in seqs:
-        declined = seq.drafts_declined and not seq.pending_drafts
-        if mtp_drafting and not seq.pending_drafts and not declined:
+        if mtp_drafting and not seq.pending_drafts and not declined(seq):
             continue
         chain = min(len(seq.pending_drafts), ladder_nd)
         copy = propose_copy(seq, cfg, shared, path_cap, chain)
         if copy is None:
             continue
         if len(copy) < chain:
-            assert seq.prompt_lookup is not None
-            seq.prompt_lookup.abandon()
+            lookup_for(seq, cfg).abandon()
             continue
         seq.set_drafts(copy)
-        took.append(CopyTaken(seq, seq.seq_len + len(seq.forced_drafts)))
+        took.append(CopyTaken(seq, seq.seq_len + len(forced_of(seq))))
     return took
 
 
@@ -125,7 +150,7 @@ def copy_path_cap(cfg: PromptLookupConfig, running: int) -> int:
 def slot_copy_cap(seq: SeqState, cfg: PromptLookupConfig, path_cap: int) -> int:
     """The longest copy ``seq`` may verify after its forced run: by
     ``max_drafts``, the slot's draft capacity and the verify's ``path_cap``."""
-    return min(cfg.max_drafts, seq.draft_capacity() - len(seq.forced_drafts), path_cap)
+    return min(cfg.max_drafts, seq.draft_capacity() - len(forced_of(seq)), path_cap)
 
 
 def propose_copy(
@@ -139,13 +164,11 @@ def propose_copy(
     """A copy for ``seq`` after its forced run, in flight at its final length
     (cut to what the grammar allows and to a bucketed width), never asked for
     less than ``chain`` tokens; None when there is none or no room for one."""
-    forced = seq.forced_drafts
+    forced = forced_of(seq)
     slot_cap = slot_copy_cap(seq, cfg, path_cap)
     if slot_cap < max(chain, 1):
         return None
-    if seq.prompt_lookup is None:
-        seq.prompt_lookup = PromptLookupSeq(cfg, longest)
-    lookup = seq.prompt_lookup
+    lookup = lookup_for(seq, cfg, longest)
     cap = slot_cap if longest else min(slot_cap, max(lookup.window, chain))
     # With no own match, the finished requests of this scope may supply one.
     fallback = _scope_fallback(shared, seq.scope)
@@ -171,6 +194,22 @@ def _scope_fallback(shared: SharedLookup | None, scope: ScopeKey | None) -> Fall
     return propose
 
 
+def fit_copies(took: Sequence[CopyTaken]) -> None:
+    """Keeps each taken copy's figures true after the grammar's check before
+    the verify (``constrained.check_drafts``): copies were cut to what the
+    grammar allows when taken, so this cuts one only should the two checks
+    ever disagree."""
+    for taken in took:
+        seq, lookup = taken.seq, _lookups.get(taken.seq)
+        left = len(seq.pending_drafts) - len(forced_of(seq))
+        if lookup is None or lookup.in_flight <= left:
+            continue
+        if left > 0:
+            lookup.cut_in_flight(left)
+        else:
+            lookup.abandon()
+
+
 def settle_copies(
     took: Sequence[CopyTaken], shared: SharedLookup | None, counters: LookupStats
 ) -> None:
@@ -179,7 +218,7 @@ def settle_copies(
     is read from that advance; a sequence that did not advance settles as a miss.
     """
     for taken in took:
-        seq, lookup = taken.seq, taken.seq.prompt_lookup
+        seq, lookup = taken.seq, _lookups.get(taken.seq)
         if lookup is None:
             continue
         accepted = max(seq.seq_len - taken.len_before - 1, 0)

@@ -53,12 +53,15 @@ distribution). Each draft costs a verify row and each further position a
 module forward, and an unsure draft is rarely accepted. Where a chain stops
 never matters to the output: acceptance compares drafts with the tokens the
 verify chooses, whatever made them. A sequence left without drafts this way
-is marked ``drafts_declined``: it may take a prompt-lookup copy as a model
-without MTP would (chain 0).
+is marked declined (``declined``): it may take a prompt-lookup copy as a
+model without MTP would (chain 0). The mark is this module's, kept per
+sequence for as long as the sequence lives; a step that drafts on the device
+sets it through ``mark_declined``.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -71,6 +74,24 @@ from metrale.engine.sequence import SeqState
 
 if TYPE_CHECKING:
     from metrale.engine.spec.budget import DraftBudget
+
+
+# The sequences whose chain declined at its last drafting (module doc).
+_declined: weakref.WeakSet[SeqState] = weakref.WeakSet()
+
+
+def declined(seq: SeqState) -> bool:
+    """Whether ``seq``'s chain found no draft likely enough, or has none yet
+    where a step said so: a copy may stand in for it (``copies.py``)."""
+    return seq in _declined
+
+
+def mark_declined(seq: SeqState, flag: bool) -> None:
+    """Sets or clears ``seq``'s declined mark (``declined``)."""
+    if flag:
+        _declined.add(seq)
+    else:
+        _declined.discard(seq)
 
 
 @dataclass(frozen=True)
@@ -150,7 +171,7 @@ class MtpDrafter:
             if feed.seq.head_rows is not None:
                 feed.seq.head_rows = max(feed.seq.head_rows, feed.end - final)
             feed.seq.set_drafts(drafts[i])
-            feed.seq.drafts_declined = feed.num_drafts > 0 and not drafts[i]
+            mark_declined(feed.seq, feed.num_drafts > 0 and not drafts[i])
 
     def _chain(
         self,

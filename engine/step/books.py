@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from metrale.engine.api import TokenLogprob
 from metrale.engine.runtime.model import Model, Segment
 from metrale.engine.sequence import Decode, SeqState
-from metrale.engine.spec.constrained import take_forced
+from metrale.engine.spec.constrained import clear_forced, forced_of, take_forced
 from metrale.engine.spec.copies import CopyTaken, copy_in_flight, drafter_accepted
 from metrale.engine.spec.grammar import GrammarError
 from metrale.engine.spec.mtp import MtpDrafter
@@ -79,7 +79,7 @@ class Books:
         """Each source's figures count only its own drafts: the forced run
         first, then the MTP chain after it (with a copy in flight the drafter
         is told nothing of its drafts was accepted)."""
-        counters, forced = self.counters, len(seq.forced_drafts)
+        counters, forced = self.counters, len(forced_of(seq))
         if forced:
             counters.forced_proposed += forced
             counters.forced_accepted += min(accepted, forced)
@@ -91,7 +91,7 @@ class Books:
             counters.count_mtp(chain, own, first_depth=forced)
             seq.stats.mtp_proposed += chain
             seq.stats.mtp_accepted += own
-        seq.forced_drafts = []
+        clear_forced(seq)
 
     @staticmethod
     def advance_grammar(seq: SeqState, emitted: list[int]) -> None:

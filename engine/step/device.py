@@ -28,6 +28,7 @@ from metrale.engine.api import Request
 from metrale.engine.runtime.model import Segment
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.copies import settle_copies
+from metrale.engine.spec.mtp import mark_declined
 from metrale.engine.step import Queues, StepTimes
 from metrale.engine.step.books import StepSetup, prompt_chunk, take_drafts
 from metrale.engine.step.device_verify import MAX_WIDTH, DeviceVerify, VerifyRow
@@ -54,7 +55,7 @@ class DeviceStep:
 
     def admit(self, seq: SeqState, queues: Queues) -> None:
         if seq.seq_len == seq.prompt_len - 1:  # nothing before its last token to prefill
-            seq.drafts_declined = self.has_mtp  # no chain yet: a copy may stand in
+            mark_declined(seq, self.has_mtp)  # no chain yet: a copy may stand in
             queues.decoding.append(seq)
         else:
             queues.prefilling.append(seq)
@@ -98,7 +99,7 @@ class DeviceStep:
             seq.seq_len += size
             if seq.seq_len == seq.prompt_len - 1:
                 queues.prefilling.remove(seq)
-                seq.drafts_declined = self.has_mtp  # its first verify has no chain yet
+                mark_declined(seq, self.has_mtp)  # its first verify has no chain yet
                 queues.decoding.append(seq)
             if self.has_mtp:
                 fed.append(Segment(seq.slot, start, seq.history[start + 1 : seq.seq_len + 1]))
@@ -131,7 +132,7 @@ class DeviceStep:
             times.produced[seq.slot] = out.emitted
             self.books.settle(seq, out.emitted, out.logprobs)
             # No chain this time (none sure enough): a copy may stand in, as on the host.
-            seq.drafts_declined = chain > 0 and not out.drafts
+            mark_declined(seq, chain > 0 and not out.drafts)
             if not seq.finished and out.drafts:
                 seq.set_drafts(out.drafts)
                 self.policy.chain_drafted(seq, out.drafts)

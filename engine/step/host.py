@@ -37,8 +37,9 @@ from metrale.engine.spec.constrained import (
     accept_constrained,
     check_drafts,
     first_token,
+    forced_of,
 )
-from metrale.engine.spec.copies import settle_copies
+from metrale.engine.spec.copies import fit_copies, settle_copies
 from metrale.engine.spec.grammar import GrammarError
 from metrale.engine.spec.mtp import DraftFeed
 from metrale.engine.step import Queues, StepTimes
@@ -70,6 +71,7 @@ class HostStep:
         # 2. Drafts: the forced run, then the policy's choice, checked by the grammar.
         took = take_drafts(self.policy, batch, queues, self.forced_drafts)
         constrain(batch, check_drafts)
+        fit_copies(took)
         batch = [s for s in batch if not s.finished]
         # 3. Verify every sequence's [last_token] + drafts in one forward.
         starts = [s.seq_len for s in batch]
@@ -164,7 +166,7 @@ class HostStep:
             except GrammarError as exc:
                 seq.fail(str(exc))
                 continue
-            times.produced[seq.slot] = [*drafts[len(seq.forced_drafts) : accepted], bonus]
+            times.produced[seq.slot] = [*drafts[len(forced_of(seq)) : accepted], bonus]
             emitted = [*drafts[:accepted], bonus]
             top, logprobs = seq.request.params.logprobs, None
             if top is not None:

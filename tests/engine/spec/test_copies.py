@@ -17,6 +17,8 @@ from metrale.engine.spec.copies import (
     CopyTaken,
     bucket_copy,
     drafter_accepted,
+    lookup_for,
+    lookup_of,
     settle_copies,
     take_rounds_with_copies,
 )
@@ -43,11 +45,11 @@ def decoding_seq(history: Sequence[int], max_tokens: int = 100, max_len: int = 2
 
 def warm_window(seq: SeqState, cfg: PromptLookupConfig, window: int) -> None:
     """Grows the sequence's copy window by fully accepted copies."""
-    seq.prompt_lookup = PromptLookupSeq(cfg)
-    while seq.prompt_lookup.window < window:
-        copy = seq.prompt_lookup.propose(seq.history, seq.prompt_lookup.window)
+    lookup = lookup_for(seq, cfg)
+    while lookup.window < window:
+        copy = lookup.propose(seq.history, lookup.window)
         assert copy is not None
-        seq.prompt_lookup.settle(len(copy))
+        lookup.settle(len(copy))
 
 
 def run(
@@ -200,10 +202,10 @@ def test_a_fully_accepted_copy_still_trims_the_drafter_as_a_full_reject() -> Non
         if pos < last_verify_start:
             assert (context, token) == (tuple(history[max(0, pos - 1) : pos + 1]), history[pos + 1])
     seq = decoding_seq(REPEATING)
-    seq.prompt_lookup = PromptLookupSeq(LOOKUP)
-    assert seq.prompt_lookup.propose(seq.history, 4) is not None
+    lookup = lookup_for(seq, LOOKUP)
+    assert lookup.propose(seq.history, 4) is not None
     assert drafter_accepted(seq, 4) == 0
-    seq.prompt_lookup.abandon()
+    lookup.abandon()
     assert drafter_accepted(seq, 4) == 4
 
 
@@ -211,7 +213,7 @@ def test_a_batch_wider_than_max_seqs_takes_no_copies() -> None:
     cfg = PromptLookupConfig(max_seqs=2)
     seqs = [decoding_seq(REPEATING) for _ in range(3)]
     assert take_rounds_with_copies(seqs, cfg, None, 0, mtp_drafting=False) == []
-    assert all(s.prompt_lookup is None and not s.pending_drafts for s in seqs)
+    assert all(lookup_of(s) is None and not s.pending_drafts for s in seqs)
     assert len(take_rounds_with_copies(seqs[:2], cfg, None, 0, mtp_drafting=False)) == 2
     _, engine = run(FakeModel(), [REPEATING[i:] for i in range(3)], EngineConfig(prompt_lookup=cfg))
     assert engine.stats().prompt_lookup.total.copies == 0
@@ -246,7 +248,8 @@ def test_a_copy_shorter_than_the_chain_is_abandoned() -> None:
     seq.seq_len = len(seq.history) - 1
     assert take_rounds_with_copies([seq], LOOKUP, None, 3, mtp_drafting=True) == []
     assert seq.pending_drafts == [50, 51, 52]
-    assert seq.prompt_lookup is not None and seq.prompt_lookup.in_flight == 0
+    lookup = lookup_of(seq)
+    assert lookup is not None and lookup.in_flight == 0
 
 
 def test_the_window_is_asked_for_at_least_the_chain() -> None:
@@ -270,8 +273,8 @@ def test_settling_reads_accepted_tokens_from_the_seq_len_advance() -> None:
     counters = LookupStats()
     settle_copies(took, None, counters)
     assert counters.total == seq.stats.prompt_lookup.total == CopyCounts(1, 4, 2)
-    assert seq.prompt_lookup is not None
-    assert seq.prompt_lookup.in_flight == 0 and seq.prompt_lookup.window == 2
+    lookup = lookup_of(seq)
+    assert lookup is not None and lookup.in_flight == 0 and lookup.window == 2
 
 
 def test_a_sequence_that_did_not_advance_settles_as_a_miss() -> None:
@@ -280,7 +283,8 @@ def test_a_sequence_that_did_not_advance_settles_as_a_miss() -> None:
     counters = LookupStats()
     settle_copies(took, None, counters)
     assert counters.total.accepted == 0 and counters.total.copies == 1
-    assert seq.prompt_lookup is not None and seq.prompt_lookup.cooldown == 1
+    lookup = lookup_of(seq)
+    assert lookup is not None and lookup.cooldown == 1
 
 
 def test_an_earlier_request_of_the_same_scope_supplies_a_copy() -> None:

@@ -11,7 +11,7 @@ from metrale.engine.api import Request, SamplingParams
 from metrale.engine.runtime.model import ForwardOutput, MtpLogitRows, Segment
 from metrale.engine.sampling import noise_key, sample_at, target_probs
 from metrale.engine.sequence import SeqState
-from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
+from metrale.engine.spec.mtp import DraftFeed, MtpDrafter, declined
 
 VOCAB = 8
 PEAKED = torch.tensor([8.0] + [0.0] * (VOCAB - 1))  # top probability ~0.99
@@ -56,7 +56,7 @@ def test_a_chain_is_cut_where_the_module_is_unsure_greedy_or_sampled(
     drafter = MtpDrafter(ScriptedMtp(), min_prob=0.5)
     drafter.feed_and_draft([DraftFeed(seq, 0, [2, 3], num_drafts=3)], torch.zeros(2, 4))
     assert seq.pending_drafts == [0]
-    assert not seq.drafts_declined
+    assert not declined(seq)
 
 
 def test_a_sampled_draft_is_drawn_with_the_noise_of_its_position() -> None:
@@ -82,4 +82,4 @@ def test_an_unsure_first_position_declines_the_whole_chain() -> None:
         MtpDrafter(module, min_prob=0.5).feed_and_draft(
             [DraftFeed(seq, 0, [2, 3], num_drafts=3)], torch.zeros(2, 4)
         )
-        assert seq.pending_drafts == [] and seq.drafts_declined
+        assert seq.pending_drafts == [] and declined(seq)
