@@ -150,7 +150,8 @@ def option(flag: str, help: str, *decls: str, panel: str | None = None) -> Any:
 
 
 MODEL_HELP = (
-    "Checkpoint folder (HF layout), .gguf file (llama, qwen2, qwen3, qwen2moe, qwen3moe; "
+    "Checkpoint folder (HF layout), .gguf file (llama, qwen2, qwen3, qwen2moe, qwen3moe, "
+    "qwen35, qwen35moe; "
     "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; converted once) or "
     "hub id owner/name (the Hugging Face cache first); "
     "default: the embedded SmolLM2-135M-Instruct."

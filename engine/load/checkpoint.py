@@ -24,6 +24,7 @@ from metrale.engine.load.file_checks import AGAIN
 from metrale.engine.load.plain_config import plain_config
 from metrale.engine.load.quant import check_tensors, read_quant
 from metrale.engine.runtime.arch import (
+    TILED_V_HEADS,
     ArchSpec,
     CheckpointError,
     LinearAttnSpec,
@@ -242,6 +243,7 @@ def _linear_spec(config: Any, family: str) -> LinearAttnSpec:
         v_head_dim=int(config.linear_value_head_dim),
         conv_kernel=int(config.linear_conv_kernel_dim),
         fused_projections=family == "qwen3_next",
+        tiled_v_heads=bool(getattr(config, TILED_V_HEADS, False)),
     )
 
 

@@ -19,6 +19,17 @@ llama.cpp renormalises them for qwen3moe and not for qwen2moe, as the
 released configs do, and so does the config written here
 (``{arch}.expert_weights_norm``, where a file has it, wins). A layer whose
 tensors hold a dense MLP instead of experts is listed in ``mlp_only_layers``.
+
+The hybrid Qwen3.5/3.6 architectures ``qwen35`` and ``qwen35moe`` become the
+text-only ``qwen3_5_text`` / ``qwen3_5_moe_text`` configs: the gated
+DeltaNet shapes from ``{arch}.ssm.*``, which layers are linear from the
+tensors they hold (a full-attention layer has ``attn_q``), partial rotary
+from ``rope.dimension_count`` over the head size, and the MTP layers that
+llama.cpp appends to ``block_count`` from ``nextn_predict_layers``
+(``main_layers``). llama.cpp tiles their value heads over the key heads
+(its ``_LinearAttentionVReorderBase``); the config says so
+(``TILED_V_HEADS``), and the runtime reads them in that order. A file from a
+llama.cpp older than that reordering cannot be told apart by its metadata.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from metrale.engine.load import gguf_rope
-from metrale.engine.runtime.arch import CheckpointError
+from metrale.engine.runtime.arch import TILED_V_HEADS, CheckpointError
 
 # general.architecture -> (transformers model_type, architectures entry)
 ARCHITECTURES = {
@@ -38,10 +49,16 @@ ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+    "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
 }
-SUPPORTED_ARCHS = "llama (Llama, SmolLM, Mistral), qwen2, qwen3, qwen2moe, qwen3moe"
+SUPPORTED_ARCHS = (
+    "llama (Llama, SmolLM, Mistral), qwen2, qwen3, qwen2moe, qwen3moe, qwen35, qwen35moe"
+)
 # MoE architectures -> whether llama.cpp renormalises their top-k weights.
-MOE_ARCHS = {"qwen2moe": False, "qwen3moe": True}
+MOE_ARCHS = {"qwen2moe": False, "qwen3moe": True, "qwen35moe": True}
+# Gated DeltaNet hybrids (module doc).
+HYBRID_ARCHS = ("qwen35", "qwen35moe")
 
 
 class GgufError(CheckpointError):
@@ -85,10 +102,13 @@ def model_config(
         field = fields.get(f"{arch}.{key}")
         return None if field is None else field.contents()
 
-    moe = _moe_fields(fields, arch, tensor_names, gguf_path) if arch in MOE_ARCHS else {}
+    hybrid = arch in HYBRID_ARCHS
+    moe = {}
+    if arch in MOE_ARCHS:
+        moe = (_hybrid_moe_fields if hybrid else _moe_fields)(fields, arch, tensor_names, gguf_path)
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
-    head_dim = _head_dim(opt, hidden // heads, gguf_path)
+    head_dim = _head_dim(opt, hidden // heads, gguf_path, partial_rotary=hybrid)
     model_type, class_name = ARCHITECTURES[arch]
     kv_heads = opt("attention.head_count_kv")
     bos, eos, pad = (_token_id(fields, k) for k in ("bos", "eos", "padding"))
@@ -114,6 +134,13 @@ def model_config(
     )
     if opt("attention.key_length") is not None:
         values["head_dim"] = head_dim
+    if hybrid:
+        values.update(_hybrid_fields(need, opt, fields, arch, tensor_names, gguf_path, head_dim))
+        values["rope_parameters"]["partial_rotary_factor"] = (
+            int(need("rope.dimension_count")) / head_dim
+        )
+        if arch == "qwen35moe":
+            values.pop("intermediate_size")
     if arch == "llama" and "blk.0.attn_q.bias" in tensor_names:
         values["attention_bias"] = True
     if arch == "qwen2moe":
@@ -151,11 +178,74 @@ def _moe_fields(fields: Any, arch: str, tensor_names: set[str], gguf_path: Path)
     return values
 
 
-def _head_dim(opt: Any, default: int, gguf_path: Path) -> int:
+def main_layers(fields: Any, arch: str, gguf_path: Path) -> int | None:
+    """A hybrid file's decoder layers: ``block_count`` less the MTP layers
+    llama.cpp appends (``nextn_predict_layers``); None for the others."""
+    if arch not in HYBRID_ARCHS:
+        return None
+    blocks = int(_value(fields, f"{arch}.block_count", gguf_path))
+    mtp = fields.get(f"{arch}.nextn_predict_layers")
+    return blocks - (int(mtp.contents()) if mtp is not None else 0)
+
+
+def _hybrid_fields(
+    need: Any,
+    opt: Any,
+    fields: Any,
+    arch: str,
+    tensor_names: set[str],
+    gguf_path: Path,
+    head_dim: int,
+) -> dict[str, Any]:
+    """The gated DeltaNet and MTP fields of a hybrid file's config (module doc)."""
+    main = main_layers(fields, arch, gguf_path)
+    assert main is not None
+    value_heads = int(need("ssm.time_step_rank"))
+    values: dict[str, Any] = dict(
+        num_hidden_layers=main,
+        layer_types=[
+            "full_attention" if f"blk.{i}.attn_q.weight" in tensor_names else "linear_attention"
+            for i in range(main)
+        ],
+        linear_conv_kernel_dim=int(need("ssm.conv_kernel")),
+        linear_key_head_dim=int(need("ssm.state_size")),
+        linear_num_key_heads=int(need("ssm.group_count")),
+        linear_num_value_heads=value_heads,
+        linear_value_head_dim=int(need("ssm.inner_size")) // value_heads,
+        head_dim=head_dim,
+        mtp_num_hidden_layers=int(need("block_count")) - main,
+    )
+    values[TILED_V_HEADS] = True
+    return values
+
+
+def _hybrid_moe_fields(
+    fields: Any, arch: str, tensor_names: set[str], gguf_path: Path
+) -> dict[str, Any]:
+    """A ``qwen35moe`` file's expert fields: every layer routes, with a shared expert."""
+
+    def need(key: str) -> int:
+        return int(_value(fields, f"{arch}.{key}", gguf_path))
+
+    return dict(
+        num_experts=need("expert_count"),
+        num_experts_per_tok=need("expert_used_count"),
+        moe_intermediate_size=need("expert_feed_forward_length"),
+        shared_expert_intermediate_size=need("expert_shared_feed_forward_length"),
+    )
+
+
+def _head_dim(opt: Any, default: int, gguf_path: Path, partial_rotary: bool = False) -> int:
     """``attention.key_length`` (else hidden / heads), refused where values
-    or the rotary part differ from it: the runtime's layout needs them equal."""
+    or the rotary part differ from it: the runtime's layout needs them equal
+    (the hybrids rotate part of each head: ``partial_rotary``)."""
     head_dim = int(opt("attention.key_length") or default)
-    for key in ("attention.value_length", "rope.dimension_count"):
+    keys = (
+        ("attention.value_length",)
+        if partial_rotary
+        else ("attention.value_length", "rope.dimension_count")
+    )
+    for key in keys:
         value = opt(key)
         if value is not None and int(value) != head_dim:
             raise GgufError(

@@ -13,8 +13,16 @@ metadata) or the tensor and its type.
 
 Architectures, as ``general.architecture`` names them: ``llama`` (Llama,
 SmolLM, Mistral: llama.cpp writes them all as llama), ``qwen2``, ``qwen3``,
-and the MoE ``qwen2moe`` and ``qwen3moe``, whose expert tensors are split
-into the per-expert keys of a HF checkpoint (``gguf_names.py``).
+the MoE ``qwen2moe`` and ``qwen3moe``, whose expert tensors are split
+into the per-expert keys of a HF checkpoint (``gguf_names.py``), and the
+gated DeltaNet hybrids ``qwen35`` and ``qwen35moe`` with their MTP layer.
+llama.cpp changes three kinds of their values, undone here
+(``hybrid_value``): zero-centred RMSNorm weights are stored with the 1
+added (``(w + 1) - 1`` then ``1 + w`` in the runtime gives back the stored
+float exactly), ``A_log`` as ``-exp(A_log)`` (its log is taken in float64:
+the runtime's ``-exp`` of it is the stored value to within a rounding), and
+the conv1d without its middle axis. These are float tensors in llama.cpp's
+files; a block type there is refused.
 Tensor types: F32, F16 and BF16 are stored as they are; the block types
 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are dequantized to float32,
 which holds them exactly, and also kept in blocks in ``packed.safetensors``
@@ -47,9 +55,10 @@ from metrale.engine.load.gguf_config import (
     GgufError,
     architecture,
     generation_config,
+    main_layers,
     model_config,
 )
-from metrale.engine.load.gguf_names import hf_names, is_one_row
+from metrale.engine.load.gguf_names import hf_names, is_one_row, zero_centred
 from metrale.engine.runtime.packed import PACKED_FILE, save_packed
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", *KERNEL_TYPES)
@@ -72,6 +81,7 @@ class GgufModel:
     generation: dict[str, Any]  # generation_config.json
     num_heads: int
     num_kv_heads: int
+    main_layers: int | None = None  # a hybrid file's decoder layers (``gguf_names``)
 
     @property
     def permuted(self) -> bool:
@@ -100,24 +110,31 @@ def read_model(reader: Any, gguf_path: Path) -> GgufModel:
     written when its architecture, metadata or any tensor cannot be converted."""
     fields = reader.fields
     arch = architecture(fields, gguf_path)
-    check_tensors(reader.tensors, gguf_path)
+    main = main_layers(fields, arch, gguf_path)
+    check_tensors(reader.tensors, gguf_path, main)
     names = {str(t.name) for t in reader.tensors}
     rope_divisors = next((t.data for t in reader.tensors if t.name == gguf_rope.NAME), None)
     config = model_config(fields, arch, names, gguf_path, rope_divisors)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    return GgufModel(arch, config, generation_config(fields), heads, kv_heads)
+    return GgufModel(arch, config, generation_config(fields), heads, kv_heads, main)
 
 
-def check_tensors(tensors: Any, gguf_path: Path) -> None:
+def check_tensors(tensors: Any, gguf_path: Path, main: int | None = None) -> None:
     """Refuses, naming the first tensor of each, a tensor type the runtime
-    cannot hold exactly, and a tensor name with no HF counterpart."""
+    cannot hold exactly, and a tensor name with no HF counterpart
+    (``main``: a hybrid file's decoder layers)."""
     odd: dict[str, str] = {}  # type -> its first tensor
     for tensor in tensors:
-        kind = tensor.tensor_type.name
+        kind, name = tensor.tensor_type.name, str(tensor.name)
         if kind not in SUPPORTED_TYPES:
-            odd.setdefault(kind, str(tensor.name))
-        if tensor.name not in CONFIG_TENSORS:
-            hf_names(str(tensor.name), numpy_shape(tensor))
+            odd.setdefault(kind, name)
+        if name not in CONFIG_TENSORS:
+            hf_names(name, numpy_shape(tensor), main)
+        if main is not None and _changed(name) and kind not in ("F32", "F16"):
+            raise GgufError(
+                f"{gguf_path.name}: tensor {name} is {kind}; metrale reads it as F32 or "
+                "F16, as llama.cpp writes it"
+            )
     if odd:
         first = ", ".join(f"{name} is {kind}" for kind, name in odd.items())
         raise GgufError(
@@ -152,7 +169,9 @@ def dense_values(tensor: Any, model: GgufModel) -> list[tuple[str, torch.Tensor]
         value = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
     if is_one_row(name):
         value = value.reshape(1, -1)
-    names = hf_names(name, shape)
+    if model.main_layers is not None:
+        value = hybrid_value(name, value)
+    names = hf_names(name, shape, model.main_layers)
     parts = [value] if len(names) == 1 else list(value)  # [experts, rows, cols]: one per expert
     out = []
     for hf, part in zip(names, parts, strict=True):
@@ -160,6 +179,22 @@ def dense_values(tensor: Any, model: GgufModel) -> list[tuple[str, torch.Tensor]
         held = torch.from_numpy(np.array(unpermuted(name, part, model)))
         out.append((hf, held.view(torch.bfloat16) if kind == "BF16" else held))
     return out
+
+
+def _changed(name: str) -> bool:
+    """Whether ``hybrid_value`` changes a hybrid file's tensor."""
+    return zero_centred(name) or name.endswith(".ssm_a") or ".ssm_conv1d." in name
+
+
+def hybrid_value(name: str, value: np.ndarray) -> np.ndarray:
+    """A hybrid file's tensor as the checkpoint holds it (module doc)."""
+    if zero_centred(name):
+        return value.astype(np.float32) - np.float32(1.0)
+    if name.endswith(".ssm_a"):
+        return np.log(-value.astype(np.float64)).astype(np.float32)
+    if ".ssm_conv1d." in name:  # [channels, kernel] -> [channels, 1, kernel]
+        return value.reshape(value.shape[0], 1, value.shape[-1])
+    return value
 
 
 def unpermuted(gguf_name: str, rows: np.ndarray, model: GgufModel) -> np.ndarray:
@@ -241,7 +276,7 @@ def write_packed(reader: Any, model: GgufModel, file: Path) -> None:
             continue
         fmt, data, scales = packed
         name = str(tensor.name)
-        names = hf_names(name, numpy_shape(tensor))
+        names = hf_names(name, numpy_shape(tensor), model.main_layers)
         rows = data.shape[0] // len(names)  # an expert tensor's rows: its experts in turn
         for i, hf in enumerate(names):
             part = slice(i * rows, (i + 1) * rows)

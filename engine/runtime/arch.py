@@ -86,6 +86,11 @@ class MlaSpec:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+# The config key, metrale's own, that a converted GGUF's folder sets when its
+# linear layers' value heads are tiled (``LinearAttnSpec.tiled_v_heads``).
+TILED_V_HEADS = "linear_value_heads_tiled"
+
+
 @dataclass(frozen=True)
 class LinearAttnSpec:
     """Gated DeltaNet layers (Qwen3.5/3.6, Qwen3-Next), mixed with full attention.
@@ -95,7 +100,9 @@ class LinearAttnSpec:
     ``[num_v_heads, k_head_dim, v_head_dim]`` in float32 and the last
     ``conv_kernel - 1`` inputs of its causal conv1d over the q/k/v channels
     (``linear_state.py``). Value head ``h`` reads key head
-    ``h // (num_v_heads // num_k_heads)``. ``fused_projections``: Qwen3-Next's
+    ``h // (num_v_heads // num_k_heads)``, or ``h % num_k_heads`` where
+    ``tiled_v_heads`` (a GGUF: llama.cpp reorders the value heads so, and the
+    whole layer reads them in that order; ``linear_state.keys_for_values``). ``fused_projections``: Qwen3-Next's
     ``in_proj_qkvz`` / ``in_proj_ba``, grouped per key head, instead of
     Qwen3.5's separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
     """
@@ -107,6 +114,7 @@ class LinearAttnSpec:
     v_head_dim: int
     conv_kernel: int
     fused_projections: bool
+    tiled_v_heads: bool = False
 
     def __post_init__(self) -> None:
         if self.num_v_heads % self.num_k_heads:

@@ -36,7 +36,7 @@ from metrale.engine.runtime.delta_rule import (
     l2_normalize,
     read_state,
 )
-from metrale.engine.runtime.linear_state import LinearStates
+from metrale.engine.runtime.linear_state import LinearStates, keys_for_values
 from metrale.engine.runtime.ops import Weight, linear
 from metrale.engine.runtime.weights import WeightStore
 
@@ -211,8 +211,7 @@ def _recurrent(
     x_pad, decay_pad, beta_pad = (_pad(t, batch) for t in (x, decay, beta))
     slots = batch.slots
     q, k, v = _factors(_conv(states.conv[index, slots], x_pad, w), spec)  # [S, rows, heads, dim]
-    repeat = spec.num_v_heads // spec.num_k_heads
-    q_v, k_v = q.repeat_interleave(repeat, dim=-2), k.repeat_interleave(repeat, dim=-2)
+    q_v, k_v = keys_for_values(q, spec), keys_for_values(k, spec)
     state = states.state[index, slots]  # [S, heads, k_dim, v_dim]
     out = q.new_empty(segs, rows, spec.num_v_heads, spec.v_head_dim)
     for r in range(rows):
@@ -246,8 +245,7 @@ def _chunked(
     slot = int(batch.slots[i])
     window = states.conv[index, slot]  # [channels, kernel - 1]
     q, k, v = _factors(_conv(window[None], x[None], w)[0], spec)
-    repeat = spec.num_v_heads // spec.num_k_heads
-    q, k = q.repeat_interleave(repeat, dim=-2), k.repeat_interleave(repeat, dim=-2)
+    q, k = keys_for_values(q, spec), keys_for_values(k, spec)
     out, state = chunked_delta_rule(q, k, v, decay, beta, states.state[index, slot])
     states.state[index, slot] = state
     inputs = torch.cat([window.to(x.dtype), x.transpose(0, 1)], dim=-1)

@@ -50,6 +50,18 @@ from metrale.engine.runtime.delta_rule import delta_rule_step
 VERIFY_ROWS = 17
 
 
+def keys_for_values(t: torch.Tensor, spec: LinearAttnSpec) -> torch.Tensor:
+    """``t [..., num_k_heads, dim]`` as the key head each value head reads,
+    ``[..., num_v_heads, dim]``: grouped, or tiled where ``spec.tiled_v_heads``
+    (``LinearAttnSpec``)."""
+    repeat = spec.num_v_heads // spec.num_k_heads
+    if repeat == 1:
+        return t
+    if spec.tiled_v_heads:
+        return t.repeat(*([1] * (t.dim() - 2)), repeat, 1)
+    return t.repeat_interleave(repeat, dim=-2)
+
+
 class LinearStates:
     """The store described in the module doc, for every linear layer of a stack."""
 
@@ -137,10 +149,9 @@ class LinearStates:
             replay = max((self.rows_bound[s] for s in held), default=0)
         state, conv = self.state[:, slots], self.conv[:, slots]
         if replay > 0:
-            repeat = self.spec.num_v_heads // self.spec.num_k_heads
             for r in range(replay):
                 step = (r < accepted).view(1, -1, 1, 1, 1)
-                key = self.rows_key[:, slots, r].repeat_interleave(repeat, dim=-2)
+                key = keys_for_values(self.rows_key[:, slots, r], self.spec)
                 after = delta_rule_step(
                     state,
                     key,
