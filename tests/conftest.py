@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,3 +19,19 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """GGUF conversions go to a fresh folder (the kernels stay in the real
+    home), tiny forwards on one thread. A GGUF module asks for it with
+    ``pytestmark = pytest.mark.usefixtures("cache_root")``; a test reads the
+    folder by naming it."""
+    from metrale.engine.load import gguf_cache
+
+    root = tmp_path / "converted"
+    monkeypatch.setattr(gguf_cache, "gguf_cache_root", lambda: root)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield root
+    torch.set_num_threads(threads)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +35,7 @@ RUNTIME = RuntimeConfig(device="cpu", dtype="float32", num_slots=3, max_len=128)
 WIDE = {"COLUMNS": "400", "NO_COLOR": "1"}
 
 
-@pytest.fixture(autouse=True)
-def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Conversions go to a fresh folder (the kernels stay in the real home)."""
-    root = tmp_path / "converted"
-    monkeypatch.setattr(gguf_cache, "gguf_cache_root", lambda: root)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny forwards on a shared machine
-    yield root
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("cache_root")
 
 
 def tiny(

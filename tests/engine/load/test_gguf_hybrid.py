@@ -3,7 +3,6 @@ checkpoint is, MTP layer included."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ from safetensors.torch import load_file
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine
-from metrale.engine.load import gguf_cache
 from metrale.engine.load.gguf_config import GgufError
 from metrale.engine.load.loader import LoadedModel, load_model
 from metrale.engine.runtime.model import Segment
@@ -27,14 +25,7 @@ PROMPTS = [[5, 9, 14, 3, 22, 7, 31], [40, 2, 2, 17], [8, 8, 8, 8, 9, 10, 11, 12,
 FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
-@pytest.fixture(autouse=True)
-def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    root = tmp_path / "converted"
-    monkeypatch.setattr(gguf_cache, "gguf_cache_root", lambda: root)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield root
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("cache_root")
 
 
 def logits(loaded: LoadedModel) -> torch.Tensor:

@@ -3,7 +3,6 @@ is the model its safetensors twin is."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,6 @@ import torch
 from safetensors.torch import load_file
 
 from metrale.engine.config import RuntimeConfig
-from metrale.engine.load import gguf_cache
 from metrale.engine.load.loader import LoadedModel, load_model
 from metrale.engine.runtime.model import Segment
 from tests.engine.load.test_gguf import PROMPTS, greedy
@@ -28,14 +26,7 @@ ALL_MOE: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    root = tmp_path / "converted"
-    monkeypatch.setattr(gguf_cache, "gguf_cache_root", lambda: root)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield root
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("cache_root")
 
 
 def logits(loaded: LoadedModel) -> torch.Tensor:
