@@ -372,10 +372,12 @@ def weight_bytes(checkpoint: Checkpoint, dtype: torch.dtype, head: Path | None =
     """What the weights will take on the device, from the headers alone:
     every tensor the checkpoint stores (FP8 scales aside) and the head's, at
     ``dtype``. It counts MTP layers that ``mtp=False`` leaves unloaded: the
-    estimate errs towards a smaller cache, never towards running out."""
+    estimate errs towards a smaller cache, never towards running out. A
+    renamed store (Qwen3.5's nested layout) counts what it reads, by the names
+    it is stored under; a vision tower it leaves out is not counted."""
     store = checkpoint.weights
     headers = store.headers()
-    numel = sum(math.prod(headers[name].shape) for name in store.names())
+    numel = sum(math.prod(headers[store.stored_name(name)].shape) for name in store.names())
     if head is not None:
         numel += sum(math.prod(h.shape) for h in WeightStore.open_file(head).headers().values())
     return numel * dtype.itemsize

@@ -99,6 +99,12 @@ class WeightStore:
     def names(self) -> list[str]:
         return sorted(self.files)
 
+    def stored_name(self, name: str) -> str:
+        """The name ``name`` is stored under (itself unless ``renamed``)."""
+        if name not in self.files:
+            raise CheckpointError(f"weight {name!r} is missing from the checkpoint")
+        return self._source[name]
+
     def __contains__(self, name: str) -> bool:
         return name in self.files
 

@@ -29,6 +29,7 @@ from metrale.engine.runtime.kv_sizing import (
 )
 from metrale.engine.runtime.static_step import HEADROOM
 from tests.support.checkpoints import write_tiny_checkpoint
+from tests.support.hybrid_checkpoints import write_hybrid_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -329,3 +330,18 @@ def test_bench_refuses_a_cache_holding_fewer_slots_than_its_batch(
         in result.output
     )
     assert "fewer than the batch of 3; raise it or lower --batch" in result.output
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_5"])
+def test_the_cuda_budget_counts_a_nested_checkpoint_by_what_it_reads(
+    family: str, tmp_path: Path
+) -> None:
+    # Qwen3.5's released layout is read renamed (model.language_model.* as
+    # model.*) with its vision tower left out: the weights counted are the
+    # language model's and its MTP layer's, which the loaded model holds.
+    path = write_hybrid_checkpoint(tmp_path, family)
+    checkpoint = read_checkpoint(path)
+    assert any(name.startswith("model.visual.") for name in checkpoint.weights.headers())
+    weights = weight_bytes(checkpoint, torch.bfloat16)
+    loaded = load_model(path, RuntimeConfig(device="cpu", dtype="float32", num_slots=1, max_len=8))
+    assert weights == loaded.info.parameters * 2
