@@ -27,9 +27,13 @@ the others still run. Its keys:
 - ``step_ms``: the step time of random bfloat16 weights in MiMo-7B shapes at
   batch 1/4/16 x verify width 1/2/4 at 1k and 4k context, next to
   transformers' forward with a static cache on the same weights and shapes
-  (with how far their logits agree), and the bound ``weight bytes / 4.3
-  TB/s`` (device runs only; ``tests/support/gpu_step_ms.py``);
-- ``targets``: the issue's three targets from ``step_ms``, each with its figures.
+  (with how far their logits agree), and the bound ``weight bytes /
+  bandwidth``, the bandwidth that of a large copy measured on the device
+  (device runs only; ``tests/support/gpu_step_ms.py``);
+- ``targets``: the issue's three targets from ``step_ms``, each with its figures;
+- ``attention``: the SDPA backends torch has enabled, cuDNN's version, and the
+  CUDA kernels a masked decode-shaped attention call launches in bfloat16 and
+  float32, as the runtime calls it (device runs only).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from metrale.engine.engine import Engine
 from metrale.engine.load.loader import load_model
 from metrale.lookup import PromptLookupConfig
 from tests.support.checkpoints import EOS_ID, load_reference_model, write_tiny_checkpoint
-from tests.support.gpu_step_ms import BENCHES, BenchShape, bench_step_ms, targets
+from tests.support.gpu_step_ms import BENCHES, BenchShape, bench_step_ms, targets, time_ms
 from tests.support.hybrid_checkpoints import load_reference, write_hybrid_checkpoint
 
 # family -> (checkpoint family, MTP layout)
@@ -334,6 +338,48 @@ def put_step_ms(report: Report, shape: BenchShape, device: torch.device) -> None
     report.put("step_ms", step_ms)
 
 
+# -- attention kernels ---------------------------------------------------------
+
+
+def attention_kernels(device: torch.device) -> dict[str, Any]:
+    """``attention`` (module doc): what SDPA runs for a verify of 4 rows over
+    4k positions with a boolean mask, the call the runtime makes per layer."""
+    backends = torch.backends.cuda
+    out: dict[str, Any] = {
+        "cudnn_version": torch.backends.cudnn.version(),
+        "enabled": {
+            "flash": backends.flash_sdp_enabled(),
+            "mem_efficient": backends.mem_efficient_sdp_enabled(),
+            "cudnn": backends.cudnn_sdp_enabled(),
+            "math": backends.math_sdp_enabled(),
+        },
+    }
+    batch, heads, rows, ctx, dim = 4, 32, 4, 4096, 128
+    mask = torch.ones(batch, 1, rows, ctx, device=device, dtype=torch.bool).tril(ctx - rows)
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.randn(batch, heads, rows, dim, device=device, dtype=dtype)
+        k = torch.randn(batch, heads, ctx, dim, device=device, dtype=dtype)
+        out[str(dtype).removeprefix("torch.")] = profile_attention(q, k, mask, device)
+    return out
+
+
+def profile_attention(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, device: torch.device
+) -> dict[str, Any]:
+    """The CUDA kernels of one masked SDPA call (keys as values), and its time."""
+
+    def call() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+
+    call()
+    torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize(device)
+    kernels = sorted({e.name[:100] for e in prof.events() if e.device_type.name == "CUDA"})
+    return {"kernels": kernels, "us": round(1e3 * time_ms(call, device, warmup=3, repeats=20), 1)}
+
+
 # -- main ----------------------------------------------------------------------
 
 
@@ -375,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "readbacks_per_step",
             lambda: check_readbacks(report, folder, device, args.step_path, args.max_tokens),
         )
+    if device.type == "cuda":
+        report.run("attention", lambda: report.put("attention", attention_kernels(device)))
     choice = args.bench if args.bench != "auto" else "mimo-7b" if device.type == "cuda" else "skip"
     bench = BENCHES.get(choice)
     if bench is None:

@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,7 +36,11 @@ from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.weights import WeightStore
 from metrale.engine.step.device_verify import MAX_WIDTH, StaticStep
 
-BANDWIDTH = 4.3e12  # bytes/s: an H200's device-to-device copy as measured there
+# bytes/s: an H200's device-to-device copy as measured there once; the bound
+# of a CUDA run uses the copy it measures itself (copy_bandwidth), this only
+# stands in off CUDA, where step times are a dry run.
+BANDWIDTH = 4.3e12
+COPY_BYTES = 4 << 30  # several times the L2, so the copy runs from memory
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,16 @@ def time_shape(
     }
 
 
+def copy_bandwidth(device: torch.device) -> tuple[float, str]:
+    """Bytes per second of a large device-to-device copy, counting bytes read
+    and written, and where the figure comes from."""
+    if device.type != "cuda":
+        return BANDWIDTH, "assumed (no CUDA device to measure)"
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    ms = time_ms(partial(torch.Tensor.copy_, torch.empty_like(src), src), device, 3, 10)
+    return 2 * COPY_BYTES / (ms / 1e3), f"measured: a {COPY_BYTES >> 30} GiB copy on {device}"
+
+
 def bench_step_ms(
     shape: BenchShape, device: torch.device, on_row: Callable[[dict[str, Any]], None]
 ) -> dict[str, Any]:
@@ -245,17 +260,21 @@ def bench_step_ms(
     began = time.perf_counter()
     reference, model, step_bytes = build_models(shape, device)
     step = StaticStep(model)
-    bound_ms = 1e3 * step_bytes / BANDWIDTH
+    bandwidth, whence = copy_bandwidth(device)
+    bound_ms = 1e3 * step_bytes / bandwidth
     out: dict[str, Any] = {
         "model": dataclasses.asdict(shape),
         "weight_bytes": step_bytes,
+        "bandwidth_bytes_per_s": bandwidth,
+        "bandwidth": whence,
         "bound_ms": bound_ms,
         "timing": "median of repeats after warmup, each sample from an idle device",
         "build_s": round(time.perf_counter() - began, 1),
         "rows": [],
     }
     print(
-        f"\nstep ms, {shape.name} {shape.dtype}; bound {bound_ms:.3f} ms ({step_bytes / 1e9:.2f} GB)"
+        f"\nstep ms, {shape.name} {shape.dtype}; bound {bound_ms:.3f} ms "
+        f"({step_bytes / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s, {whence})"
     )
     print(
         f"{'ctx':>6} {'batch':>5} {'width':>5} {'metrale':>9} {'hf':>9} {'hf/m':>6} {'m/bound':>7}"
