@@ -13,7 +13,10 @@ at ``--max-batch`` 1 and 16. Five configurations:
 Per workload and batch, every round runs each configuration once, in an order
 rotated by one each round, so that no configuration always runs first after
 another's exit, nor always meets the same stretch of a shared machine's
-drift. Before the first row at a batch size, each configuration runs once
+drift. After ``--rounds`` rounds a row takes more (``more_rounds``) until
+each configuration has run ``--min-seconds`` in all, up to ``--max-rounds``:
+a short run's process time is mostly start-up, whose spread would
+otherwise decide its row. Before the first row at a batch size, each configuration runs once
 untimed on one line, as a user's earlier runs would have: kernels built, the
 budget's calibration stored in ``METRALE_HOME``, the weights in the page
 cache. ``METRALE_*`` option variables of the caller's environment are dropped,
@@ -30,7 +33,8 @@ goes to ``--docs`` (section ``## bench-cli``, stamped), ``--rounds-json``
 keeps every run. Wall clock on a shared machine: read ratios, not absolutes.
 
     python -m metrale.cli.bench_runs [WORKLOAD.jsonl ...] [--rounds 3]
-        [--batches 1,16] [--max-tokens M] [--prompts 16] [--docs PATH]
+        [--min-seconds 60] [--max-rounds 12] [--batches 1,16] [--max-tokens M]
+        [--prompts 16] [--docs PATH]
 """
 
 from __future__ import annotations
@@ -71,7 +75,9 @@ and 16, one fresh process per configuration and run, model loading included,
 on held-out sets nothing was tuned on, short answers among them: there a run
 lasts seconds and what the budget spends finding its feet weighs most. Greedy,
 outputs checked identical. Each round runs every configuration once, the order
-rotated by one each round, after one untimed run of each. A configuration's
+rotated by one each round, after one untimed run of each; a row runs more
+rounds until each configuration ran a minute in all (its "rounds" column),
+since a short run's process time is mostly start-up. A configuration's
 cell: median seconds of the process, then median tokens/s of generation as
 its `--stats-json` reports it (clock started after loading). "auto / best
 fixed" is the ratio of median tokens per process-second against the fixed
@@ -107,6 +113,7 @@ class Summary:
     best: str
     ratio: float
     paired: float
+    rounds: int
 
 
 def summarise(rounds: dict[str, list[Run]]) -> Summary:
@@ -125,6 +132,7 @@ def summarise(rounds: dict[str, list[Run]]) -> Summary:
         best=best,
         ratio=rates["auto"] / rates[best],
         paired=paired,
+        rounds=len(rounds["auto"]),
     )
 
 
@@ -211,12 +219,31 @@ class Job:
         return run_once([*self.argv, *CONFIGS[key]], self.work)
 
 
-def bench_row(job: Job, name: str, rounds: int) -> dict[str, list[Run]]:
+@dataclass(frozen=True)
+class Rounds:
+    """How many rounds a row runs (module doc)."""
+
+    least: int
+    most: int
+    min_seconds: float
+
+    def more_rounds(self, runs: dict[str, list[Run]]) -> bool:
+        """Whether a row that ran ``runs`` so far takes another round."""
+        done = len(runs["auto"])
+        if done < self.least:
+            return True
+        spent = min(sum(run.process_s for run in row) for row in runs.values())
+        return done < self.most and spent < self.min_seconds
+
+
+def bench_row(job: Job, name: str, rounds: Rounds) -> dict[str, list[Run]]:
     """Every round's run per configuration; raises on any output difference."""
     runs: dict[str, list[Run]] = {key: [] for key in CONFIGS}
     expected: dict[str, str] | None = None
-    for round_ in range(rounds):
-        for key in rotated(list(CONFIGS), round_):
+    round_ = 0
+    while rounds.more_rounds(runs):
+        round_ += 1
+        for key in rotated(list(CONFIGS), round_ - 1):
             run, texts = job.run(key)
             expected = texts if expected is None else expected
             if texts != expected:
@@ -229,12 +256,13 @@ def bench_row(job: Job, name: str, rounds: int) -> dict[str, list[Run]]:
 
 
 def table_lines(rows: list[tuple[str, int, Summary]]) -> list[str]:
-    columns = ["workload", "batch", *CONFIGS, "auto / best fixed", "paired", "best fixed"]
+    columns = ["workload", "batch", "rounds", *CONFIGS, "auto / best fixed", "paired"]
+    columns.append("best fixed")
     lines = [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
     for name, batch, row in rows:
         cells = [f"{row.process_s[k]:.2f} s, {row.tok_s[k]:.1f}" for k in CONFIGS]
         lines.append(
-            f"| {name} | {batch} | {' | '.join(cells)} | {row.ratio:.3f}x "
+            f"| {name} | {batch} | {row.rounds} | {' | '.join(cells)} | {row.ratio:.3f}x "
             f"| {row.paired:.3f}x | {row.best} |"
         )
     return lines
@@ -243,7 +271,14 @@ def table_lines(rows: list[tuple[str, int, Summary]]) -> list[str]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workloads", nargs="*", type=Path, help="default: the held-out sets")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="the fewest rounds of a row")
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=60.0,
+        help="more rounds until each configuration of a row ran this long in all",
+    )
+    parser.add_argument("--max-rounds", type=int, default=12, help="the most rounds of a row")
     parser.add_argument("--batches", default="1,16", help="--max-batch values, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=None, help="default: each line's own")
     parser.add_argument("--prompts", type=int, default=16, help="first lines of each workload")
@@ -255,6 +290,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.rounds < 1 or args.prompts < 1 or min(args.batches) < 1:
         parser.error("--rounds, --prompts and every --batches value must be at least 1")
+    if args.max_rounds < args.rounds:
+        parser.error("--max-rounds must be at least --rounds")
     return args
 
 
@@ -285,7 +322,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     warm_up(base, lines[0], batch, work)
                     warmed.add(batch)
                 job = Job([*base, str(inputs), "--max-batch", str(batch)], work)
-                runs = bench_row(job, f"{path.stem}, batch {batch}", args.rounds)
+                rounds = Rounds(args.rounds, args.max_rounds, args.min_seconds)
+                runs = bench_row(job, f"{path.stem}, batch {batch}", rounds)
                 rows.append((path.stem, batch, summarise(runs)))
                 print(table_lines(rows[-1:])[-1], flush=True)
                 if args.rounds_json is not None:
@@ -295,8 +333,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                     args.rounds_json.parent.mkdir(parents=True, exist_ok=True)
                     args.rounds_json.write_text(json.dumps(found, indent=1))
     tokens = f"{args.max_tokens} tokens" if args.max_tokens else "each line's max_tokens"
-    rounds = f"{args.rounds} round{'s' if args.rounds > 1 else ''}"
-    settings = f"{rounds}; the first {args.prompts} lines of each set; {tokens}."
+    settings = (
+        f"At least {args.rounds} rounds a row, more until each configuration ran "
+        f"{args.min_seconds:g} s in all, at most {args.max_rounds}; the first "
+        f"{args.prompts} lines of each set; {tokens}."
+    )
     body = "\n\n".join([stamp(), settings, "\n".join(table_lines(rows))])
     write_section(args.docs, HEADING, body, DESCRIPTION)
     print(f"written to {args.docs} (## {HEADING})")

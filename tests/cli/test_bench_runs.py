@@ -9,7 +9,15 @@ from typing import Any
 
 import pytest
 
-from metrale.cli.bench_runs import CONFIGS, Run, capped, record_text, rotated, summarise
+from metrale.cli.bench_runs import (
+    CONFIGS,
+    Rounds,
+    Run,
+    capped,
+    record_text,
+    rotated,
+    summarise,
+)
 from metrale.engine.bench.docs_table import stamp, write_section
 
 
@@ -48,6 +56,20 @@ def test_best_fixed_counts_tokens_not_seconds_and_never_picks_auto() -> None:
     row = summarise(rounds)
     assert row.best == "MTP"
     assert row.ratio == pytest.approx(100.0 / (200 / 6.0))
+
+
+def test_a_row_runs_its_fewest_rounds_then_more_until_each_configuration_ran_long_enough() -> None:
+    rounds = Rounds(least=3, most=6, min_seconds=30.0)
+    assert rounds.more_rounds({key: [] for key in CONFIGS})
+    long = {key: runs(20.0, 20.0) for key in CONFIGS}
+    assert rounds.more_rounds(long)  # 40 s each, but only two rounds
+    long = {key: runs(20.0, 20.0, 20.0) for key in CONFIGS}
+    assert not rounds.more_rounds(long)
+    short = {key: runs(4.0, 4.0, 4.0) for key in CONFIGS}
+    short["no drafts"] = runs(40.0, 40.0, 40.0)
+    assert rounds.more_rounds(short)  # the quickest configuration decides
+    assert not rounds.more_rounds({key: runs(*[4.0] * 6) for key in CONFIGS})  # at most 6
+    assert summarise({key: runs(*[4.0] * 6) for key in CONFIGS}).rounds == 6
 
 
 def test_rotation_gives_each_configuration_each_place_once() -> None:
