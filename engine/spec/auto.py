@@ -191,6 +191,7 @@ class AutoPolicy:
         self._released = 0  # held rows fed to the head this step
         self._snapshot: BudgetStats | None = None
         self._published = 0.0
+        self._resumed = False  # started from the stored estimates (``calibrate``)
 
     @property
     def costs(self) -> CostModel:
@@ -294,11 +295,19 @@ class AutoPolicy:
             self.budget.end_step(measured, times.verify_s, times.head_s)
 
     def calibrate(self, model: Any, drafter: MtpDrafter | None, slots: int, max_len: int) -> None:
+        """The costs from the cache or measured, and, before the first run,
+        the estimates an earlier run on this set-up ended with (``estimates.py``)."""
         if not self.costs.calibrated:
             calibrate_model(self.costs, model, drafter, slots, max_len)
+        cache = self.costs.cache
+        if cache is not None and not self._resumed and "resume" not in self.without:
+            self.budget.rates.start_from(cache.load_acceptance())
+        self._resumed = True
 
     def save(self) -> None:
         self.costs.save()
+        if self.costs.cache is not None:
+            self.costs.cache.store_acceptance(self.budget.rates.estimates())
 
     def snapshot(self, final: bool = False) -> BudgetStats | None:
         now = time.perf_counter()

@@ -76,9 +76,12 @@ from metrale.engine.stats import BudgetStats
 # deeper: the chain stops where a draft does not pay its row (else it runs to
 #   its cap and the plan alone cuts it);
 # confidence: an MTP draft is priced by its confidence bin (else its depth);
-# agreement: a copy is priced by its agreement bin (else its position).
+# agreement: a copy is priced by its agreement bin (else its position);
+# resume: a run starts from the estimates the last run on its set-up ended
+#   with (``estimates.py``; else from the prior).
 MECHANISMS = frozenset(
     {
+        "resume",
         "rest",
         "looks",
         "share_head",

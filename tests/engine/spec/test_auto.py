@@ -7,6 +7,7 @@ looks, drain)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from metrale.engine.config import MtpLadder
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.auto import AutoPolicy
 from metrale.engine.spec.copies import settle_copies
-from metrale.engine.spec.cost import CostModel
+from metrale.engine.spec.cost import CostCache, CostModel
 from metrale.engine.spec.mtp import DraftFeed
 from metrale.engine.step import Queues, StepTimes
 from metrale.lookup import LookupStats, PromptLookupConfig
@@ -274,3 +275,29 @@ def test_the_shared_head_prices_chains_by_the_forwards_a_step_lately_ran() -> No
     for _ in range(40):
         policy.head_ran(feeds, 3, 3 * 0.004)
     assert fed() == [0]
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_run_starts_from_the_estimates_the_last_run_on_its_set_up_ended_with(
+    resume: bool, tmp_path: Path
+) -> None:
+    key = {"model": "m", "device": "cpu", "threads": "1"}
+    first = policy_on(CostModel(FakeClock(), CostCache(tmp_path, key)))
+    first.costs.calibrated = True  # no model to time: the costs are not the point
+    first.calibrate(None, None, 1, 64)
+    for _ in range(20):
+        first.budget.rates.observe(("mtp", 0), False)
+    ended = first.budget.rates.rate(("mtp", 0))
+    first.save()
+    without = () if resume else ("resume",)
+    later = policy_on(CostModel(FakeClock(), CostCache(tmp_path, key)), without=without)
+    later.costs.calibrated = True
+    later.calibrate(None, None, 1, 64)
+    started = later.budget.rates.rate(("mtp", 0))
+    assert started == pytest.approx(ended if resume else 0.5)
+    assert ended < 0.1
+    # Only the first run of a policy starts from the store.
+    later.budget.rates.observe(("mtp", 0), True)
+    moved = later.budget.rates.rate(("mtp", 0))
+    later.calibrate(None, None, 1, 64)
+    assert later.budget.rates.rate(("mtp", 0)) == moved
