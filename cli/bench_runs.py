@@ -19,7 +19,16 @@ a short run's process time is mostly start-up, whose spread would
 otherwise decide its row. Before the first row at a batch size, each configuration runs once
 untimed on one line, as a user's earlier runs would have: kernels built, the
 budget's calibration stored in ``METRALE_HOME``, the weights in the page
-cache. ``METRALE_*`` option variables of the caller's environment are dropped,
+cache.
+
+The budget starts each run from the acceptance estimates the last run on
+its set-up ended with (``spec/estimates.py``), kept in ``METRALE_HOME``. So
+that no auto run starts from what an earlier one learnt on the same
+prompts, the bench drops the stored estimates as it starts, has auto run
+once on ``SEED_LINES`` lines of a set it does not time (``SEEDS``) at each batch size, and
+restores the stored estimates before every auto run of a row to what they
+were as the row began: each row's auto runs start from what was learnt on
+other material, as a user's next job would. ``METRALE_*`` option variables of the caller's environment are dropped,
 so each configuration is exactly its flags.
 
 Per row it prints each configuration's median process seconds and median
@@ -53,9 +62,14 @@ from pathlib import Path
 from typing import Any
 
 from metrale.engine.bench.docs_table import stamp, write_section
+from metrale.engine.load.home import metrale_home
 
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = ("short_answers", "log_summaries", "chat_tasks", "code_gen")
+# What auto's stored estimates are first learnt on: the first of these sets
+# that no row times.
+SEEDS = ("math_steps", "table_tasks", "code_refactors")
+SEED_LINES = 8
 CONFIGS: dict[str, tuple[str, ...]] = {
     "no drafts": ("--draft-policy", "fixed", "--no-mtp", "--no-prompt-lookup"),
     "copies": ("--draft-policy", "fixed", "--no-mtp"),
@@ -77,7 +91,10 @@ lasts seconds and what the budget spends finding its feet weighs most. Greedy,
 outputs checked identical. Each round runs every configuration once, the order
 rotated by one each round, after one untimed run of each; a row runs more
 rounds until each configuration ran a minute in all (its "rounds" column),
-since a short run's process time is mostly start-up. A configuration's
+since a short run's process time is mostly start-up. The budget starts a run
+from the acceptance estimates its last run ended with; every auto run of a
+row starts from those learnt on the rows before (first: 8 lines of a set
+timed nowhere, `math_steps`), never from its own row's prompts. A configuration's
 cell: median seconds of the process, then median tokens/s of generation as
 its `--stats-json` reports it (clock started after loading). "auto / best
 fixed" is the ratio of median tokens per process-second against the fixed
@@ -207,15 +224,33 @@ def run_once(argv: list[str], work: Path) -> tuple[Run, dict[str, str]]:
     return Run(process_s, int(figures["generated_tokens"]), float(figures["tokens_per_s"])), texts
 
 
+def stored_estimates() -> dict[Path, bytes]:
+    """The draft budget's stored acceptance estimates, file by file (``spec/cost.py``)."""
+    folder = metrale_home() / "calibration"
+    return {path: path.read_bytes() for path in folder.glob("*.acceptance.json")}
+
+
+def restore_estimates(saved: dict[Path, bytes]) -> None:
+    """The stored estimates back as ``saved`` holds them: no file more, none less."""
+    for path in stored_estimates().keys() - saved.keys():
+        path.unlink(missing_ok=True)
+    for path, data in saved.items():
+        path.write_bytes(data)
+
+
 @dataclass(frozen=True)
 class Job:
     """What every process of a row shares: the command up to the flags of a
-    configuration (input file and ``--max-batch`` included), and a scratch folder."""
+    configuration (input file and ``--max-batch`` included), a scratch folder,
+    and the stored estimates each auto run starts from (module doc)."""
 
     argv: list[str]
     work: Path
+    estimates: dict[Path, bytes] | None = None
 
     def run(self, key: str) -> tuple[Run, dict[str, str]]:
+        if key == "auto" and self.estimates is not None:
+            restore_estimates(self.estimates)
         return run_once([*self.argv, *CONFIGS[key]], self.work)
 
 
@@ -295,12 +330,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def warm_up(base: list[str], line: dict[str, Any], batch: int, work: Path) -> None:
-    """One untimed run of each configuration on ``line``, 4 tokens (module doc)."""
+def warm_up(base: list[str], line: dict[str, Any], batch: int, work: Path, seed: Path) -> None:
+    """One untimed run of each configuration on ``line``, 4 tokens, then
+    auto's on the first ``SEED_LINES`` lines of ``seed`` (module doc)."""
     inputs = work / "warm-up.jsonl"
     inputs.write_text(json.dumps(capped(line, 4)) + "\n")
     for key in CONFIGS:
         Job([*base, str(inputs), "--max-batch", str(batch)], work).run(key)
+    seeds = work / "seed.jsonl"
+    seeds.write_text("".join(json.dumps(x) + "\n" for x in read_lines(seed, SEED_LINES, None)))
+    Job([*base, str(seeds), "--max-batch", str(batch)], work).run("auto")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -311,6 +350,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     found: dict[str, dict[str, list[dict[str, Any]]]] = {}
     warmed: set[int] = set()
     print("\n".join(table_lines([])), flush=True)
+    timed = {path.stem for path in paths}
+    seed = next(REPO / "bench_prompts" / f"{name}.jsonl" for name in SEEDS if name not in timed)
+    restore_estimates({})  # learnt afresh, on the seed lines first (module doc)
     with tempfile.TemporaryDirectory(prefix="bench-cli-") as scratch:
         work = Path(scratch)
         for path in paths:
@@ -319,9 +361,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             inputs.write_text("".join(json.dumps(line) + "\n" for line in lines))
             for batch in args.batches:
                 if args.warm_up and batch not in warmed:
-                    warm_up(base, lines[0], batch, work)
+                    warm_up(base, lines[0], batch, work, seed)
                     warmed.add(batch)
-                job = Job([*base, str(inputs), "--max-batch", str(batch)], work)
+                job = Job([*base, str(inputs), "--max-batch", str(batch)], work, stored_estimates())
                 rounds = Rounds(args.rounds, args.max_rounds, args.min_seconds)
                 runs = bench_row(job, f"{path.stem}, batch {batch}", rounds)
                 rows.append((path.stem, batch, summarise(runs)))

@@ -15,7 +15,9 @@ from metrale.cli.bench_runs import (
     Run,
     capped,
     record_text,
+    restore_estimates,
     rotated,
+    stored_estimates,
     summarise,
 )
 from metrale.engine.bench.docs_table import stamp, write_section
@@ -184,3 +186,21 @@ def test_the_stamp_names_machine_date_and_commit() -> None:
     line = stamp()
     assert line.startswith("Machine: ") and "-core " in line
     assert " Date: " in line and " Commit: " in line and line.endswith(".")
+
+
+def test_stored_estimates_go_back_to_a_snapshot_file_for_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("METRALE_HOME", str(tmp_path))
+    folder = tmp_path / "calibration"
+    folder.mkdir()
+    (folder / "a.acceptance.json").write_text("a")
+    (folder / "a.json").write_text("costs")  # the costs are not estimates
+    saved = stored_estimates()
+    assert saved == {folder / "a.acceptance.json": b"a"}
+    (folder / "a.acceptance.json").write_text("learnt on this row")
+    (folder / "b.acceptance.json").write_text("b")
+    restore_estimates(saved)
+    assert stored_estimates() == saved and (folder / "a.json").read_text() == "costs"
+    restore_estimates({})
+    assert stored_estimates() == {} and (folder / "a.json").exists()
