@@ -60,7 +60,8 @@ from metrale.engine.load.loader import load_model
 from metrale.lookup import PromptLookupConfig
 from tests.support.checkpoints import EOS_ID, load_reference_model, write_tiny_checkpoint
 from tests.support.gpu_step_ms import BENCHES, BenchShape, bench_step_ms, targets, time_ms
-from tests.support.hybrid_checkpoints import load_reference, write_hybrid_checkpoint
+from tests.support.hybrid_checkpoints import write_hybrid_checkpoint
+from tests.support.hybrid_references import load_reference
 
 # family -> (checkpoint family, MTP layout)
 FAMILIES: dict[str, tuple[str, str | None]] = {

@@ -22,14 +22,9 @@ from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.model import Segment
 from metrale.engine.runtime.rope import RopeTable
 from tests.support.checkpoints import build_runtime, random_ids
-from tests.support.hybrid_checkpoints import (
-    FAMILIES,
-    dequantized_twin,
-    load_reference,
-    reference_logits,
-    write_fp8_twin,
-    write_hybrid_checkpoint,
-)
+from tests.support.hybrid_checkpoints import FAMILIES, write_hybrid_checkpoint
+from tests.support.hybrid_fp8 import dequantized_twin, write_fp8_twin
+from tests.support.hybrid_references import load_reference, reference_logits
 
 ATOL = 1e-4
 

@@ -23,12 +23,11 @@ from metrale.engine.load.loader import LoadedModel, load_model
 from metrale.engine.runtime.model import Segment
 from metrale.lookup import PromptLookupConfig
 from tests.support.checkpoints import EOS_ID, random_ids
-from tests.support.hybrid_checkpoints import (
+from tests.support.hybrid_checkpoints import write_exact_mtp_checkpoint, write_hybrid_checkpoint
+from tests.support.hybrid_references import (
     load_reference,
     reference_mtp_chain,
     reference_mtp_logits,
-    write_exact_mtp_checkpoint,
-    write_hybrid_checkpoint,
 )
 
 # Byte prompts, two of them repeating themselves so copies are proposed.
