@@ -31,6 +31,11 @@ the others still run. Its keys:
   bandwidth``, the bandwidth that of a large copy measured on the device
   (device runs only; ``tests/support/gpu_step_ms.py``);
 - ``targets``: the issue's three targets from ``step_ms``, each with its figures;
+- ``cli``: ``metrale generate`` as a user runs it, a whole process with the
+  default draft policy, on a tiny checkpoint with an MTP layer in float32:
+  once on the device with the device step and once on the CPU with the host
+  step; ``equal`` when their texts are, with each run's process seconds,
+  tokens per verify and drafts (the dry run runs the device step on the CPU);
 - ``attention``: the SDPA backends torch has enabled, cuDNN's version, and the
   CUDA kernels a masked decode-shaped attention call launches in bfloat16 and
   float32, as the runtime calls it (device runs only).
@@ -41,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +58,7 @@ from typing import Any
 
 import torch
 
+from metrale.cli.bench_runs import record_text
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.bench.figures import first_difference
 from metrale.engine.config import EngineConfig, RuntimeConfig
@@ -339,6 +346,52 @@ def put_step_ms(report: Report, shape: BenchShape, device: torch.device) -> None
     report.put("step_ms", step_ms)
 
 
+# -- whole processes -----------------------------------------------------------
+
+# Each prompt twice: the second copy of a line finds copies in the first's text.
+CLI_LINES = [
+    {"id": f"p{i}", "prompt": prompt, "max_tokens": 48} for i, prompt in enumerate(PROMPTS * 2)
+]
+
+
+def cli_runs(folder: Path, device: torch.device) -> dict[str, Any]:
+    """``cli`` (module doc)."""
+    path = write_tiny_checkpoint(folder / "cli", "llama", mtp_layout="deepseek")
+    prompts = folder / "cli.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in CLI_LINES))
+    sides = {"device": (str(device), "device"), "cpu": ("cpu", "host")}
+    out: dict[str, Any] = {}
+    texts: dict[str, dict[str, str]] = {}
+    for side, (where, step_path) in sides.items():
+        written, stats = folder / f"cli-{side}.jsonl", folder / f"cli-{side}-stats.json"
+        argv = [sys.executable, "-c", "from metrale.cli.main import app; app(prog_name='metrale')"]
+        argv += ["generate", str(prompts), "--model", str(path), "--device", where]
+        argv += ["--step-path", step_path, "--dtype", "float32", "-o", str(written)]
+        argv += ["--stats-json", str(stats), "--max-batch", "4"]
+        began = time.perf_counter()
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - began
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"metrale generate on {where} exited {done.returncode}: {done.stderr[-600:]}"
+            )
+        records = [json.loads(text) for text in written.read_text().splitlines()]
+        texts[side] = dict(record_text(record) for record in records)
+        figures = json.loads(stats.read_text())
+        out[side] = {
+            "device": where,
+            "step_path": step_path,
+            "process_s": round(seconds, 2),
+            "generated_tokens": figures["generated_tokens"],
+            "mean_tokens_per_verify": round(figures["mean_tokens_per_verify"], 3),
+            "draft_budget_verified": (figures.get("draft_budget") or {}).get("verified"),
+        }
+    out["equal"] = texts["device"] == texts["cpu"]
+    out["lines"] = len(CLI_LINES)
+    print(f"cli: {'equal' if out['equal'] else 'DIFFERENT'} texts, device step against host step")
+    return out
+
+
 # -- attention kernels ---------------------------------------------------------
 
 
@@ -422,6 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "readbacks_per_step",
             lambda: check_readbacks(report, folder, device, args.step_path, args.max_tokens),
         )
+        report.run("cli", lambda: report.put("cli", cli_runs(folder, device)))
     if device.type == "cuda":
         report.run("attention", lambda: report.put("attention", attention_kernels(device)))
     choice = args.bench if args.bench != "auto" else "mimo-7b" if device.type == "cuda" else "skip"
@@ -434,7 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "rows" in report.data.get("step_ms", {}):
             report.run("targets", lambda: report.put("targets", targets(report.data["step_ms"])))
             print(json.dumps(report.data.get("targets"), indent=2))
-    ok = report.data.get("parity") is True and not report.data.get("errors")
+    cli_equal = report.data.get("cli", {}).get("equal") is True
+    ok = report.data.get("parity") is True and cli_equal and not report.data.get("errors")
     print(f"\n{'ok' if ok else 'FAILED'}: {args.out}")
     return 0 if ok else 1
 
