@@ -63,6 +63,7 @@ from typing import Any
 
 from metrale.engine.bench.docs_table import stamp, write_section
 from metrale.engine.load.home import metrale_home
+from metrale.engine.spec.cost import ACCEPTANCE_SUFFIX
 
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = ("short_answers", "log_summaries", "chat_tasks", "code_gen")
@@ -227,7 +228,7 @@ def run_once(argv: list[str], work: Path) -> tuple[Run, dict[str, str]]:
 def stored_estimates() -> dict[Path, bytes]:
     """The draft budget's stored acceptance estimates, file by file (``spec/cost.py``)."""
     folder = metrale_home() / "calibration"
-    return {path: path.read_bytes() for path in folder.glob("*.acceptance.json")}
+    return {path: path.read_bytes() for path in folder.glob(f"*{ACCEPTANCE_SUFFIX}")}
 
 
 def restore_estimates(saved: dict[Path, bytes]) -> None:
@@ -291,8 +292,7 @@ def bench_row(job: Job, name: str, rounds: Rounds) -> dict[str, list[Run]]:
 
 
 def table_lines(rows: list[tuple[str, int, Summary]]) -> list[str]:
-    columns = ["workload", "batch", "rounds", *CONFIGS, "auto / best fixed", "paired"]
-    columns.append("best fixed")
+    columns = ["workload", "batch", "rounds", *CONFIGS, "auto / best fixed", "paired", "best fixed"]
     lines = [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
     for name, batch, row in rows:
         cells = [f"{row.process_s[k]:.2f} s, {row.tok_s[k]:.1f}" for k in CONFIGS]

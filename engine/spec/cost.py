@@ -356,6 +356,10 @@ class Calibration:
     held_row_s: float | None = None
 
 
+# The acceptance estimates' file beside a calibration's (``CostCache``).
+ACCEPTANCE_SUFFIX = ".acceptance.json"
+
+
 class CostCache:
     """A calibration on disk: ``<home>/calibration/<hash of key>.json``, which
     also holds the key itself, checked on reading (module doc)."""
@@ -407,7 +411,7 @@ class CostCache:
 
     @property
     def _acceptance_path(self) -> Path:
-        return self.path.with_name(self.path.stem + ".acceptance.json")
+        return self.path.with_name(self.path.stem + ACCEPTANCE_SUFFIX)
 
     def store(self, costs: Calibration) -> None:
         """Writes atomically; a home that cannot be written is left alone
