@@ -191,6 +191,9 @@ def test_a_worker_killed_mid_job_loses_nothing_and_duplicates_nothing(
 ) -> None:
     out = tmp_path / "out.jsonl"
     args = [str(source), "--model", str(tiny), *ARGS, "-o", str(out), "--order", "input"]
+    # Workers of an earlier job (a killed `--ray local` run's) may linger a
+    # while: killing one of those would test nothing.
+    earlier = set(_engine_workers())
     proc = subprocess.Popen(
         [str(METRALE), "generate", *args, "--ray", local_ray, "--ray-workers", "2"],
         stdout=subprocess.DEVNULL,
@@ -199,7 +202,7 @@ def test_a_worker_killed_mid_job_loses_nothing_and_duplicates_nothing(
     )
     try:
         deadline = time.monotonic() + 180
-        while len(workers := _engine_workers()) < 2 or _count_lines(out) < 3:
+        while len(workers := _own_workers(earlier)) < 2 or _count_lines(out) < 3:
             assert proc.poll() is None, proc.communicate()[1].decode()
             assert time.monotonic() < deadline, "no lines written in 180 s"
             time.sleep(0.01)
@@ -292,6 +295,11 @@ def answers(records: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[key] = r["text"]
     return out
+
+
+def _own_workers(earlier: set[int]) -> list[int]:
+    """The live ``EngineWorker`` processes not among ``earlier``'s pids."""
+    return [pid for pid in _engine_workers() if pid not in earlier]
 
 
 def _engine_workers() -> list[int]:
