@@ -9,6 +9,27 @@ import pytest
 import torch
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``$METRALE_HOME`` for the whole session, child processes included: a
+    fresh folder, so the draft budget's stored costs and estimates
+    (``calibration/``) start empty and never reach the user's home, where an
+    earlier run's estimates would steer this run's tests. Its ``kernels`` and
+    ``models`` are the real home's, linked: a kernel build and the default
+    model's conversion are the same whoever made them, and slow to redo. A
+    test that needs a home of its own still sets the variable itself."""
+    from metrale.engine.load.home import metrale_home
+
+    real = metrale_home()
+    home = tmp_path_factory.mktemp("metrale-home")
+    for shared in ("kernels", "models"):
+        (real / shared).mkdir(parents=True, exist_ok=True)
+        (home / shared).symlink_to(real / shared, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("METRALE_HOME", str(home))
+        yield home
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One intra-op thread for a module of tiny forwards: on a shared 2-core

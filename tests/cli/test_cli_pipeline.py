@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from metrale.cli.main import app
 from tests.support.checkpoints import write_tiny_checkpoint
+from tests.support.env import home_env
 
 METRALE = Path(sys.executable).parent / "metrale"
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_prompts"
@@ -65,7 +66,7 @@ def test_stdin_to_stdout_pipeline_carries_only_jsonl(tiny: Path) -> None:
         input=data,
         capture_output=True,
         timeout=300,
-        env={**ENV, "PATH": "/usr/bin:/bin"},
+        env={**ENV, "PATH": "/usr/bin:/bin", **home_env()},
     )
     assert proc.returncode == 1, proc.stderr.decode()  # the broken line failed, the rest not
     out = [orjson.loads(line) for line in proc.stdout.splitlines()]
@@ -87,7 +88,7 @@ def test_sigint_keeps_finished_lines_prints_the_summary_and_exits_130(tiny: Path
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env={**ENV, "PATH": "/usr/bin:/bin"},
+        env={**ENV, "PATH": "/usr/bin:/bin", **home_env()},
         # A suite started as a background job (`make test &` in a script)
         # inherits SIGINT ignored, and Python then installs no handler: the
         # child gets the default disposition, as a terminal's job has.
@@ -198,7 +199,7 @@ def test_slow_pipe_answers_each_line_before_the_next_arrives(tiny: Path) -> None
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-        env={**ENV, "PATH": str(METRALE.parent)},
+        env={**ENV, "PATH": str(METRALE.parent), **home_env()},
     )
     assert proc.stdin is not None and proc.stdout is not None
     # A stalled run would block readline() for good: end it, so the test fails.

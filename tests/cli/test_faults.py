@@ -27,7 +27,6 @@ from tests.support.memory_runs import run_alone
 
 METRALE = Path(sys.executable).parent / "metrale"
 ENV = {"COLUMNS": "400", "NO_COLOR": "1"}
-CHILD_ENV = {**os.environ, **ENV}
 ARGS = ["--device", "cpu", "--dtype", "float32", "--max-len", "128", "--max-batch", "2"]
 ARGS += ["--progress", "plain"]
 PROMPTS = ["abc abc abc abc", "hello hello", "one two one two", "xy xy xy"]
@@ -73,7 +72,7 @@ def start(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         [str(METRALE), "generate", *args],
         stdout=kwargs.pop("stdout", subprocess.DEVNULL),
         stderr=subprocess.PIPE,
-        env=CHILD_ENV,
+        env={**os.environ, **ENV},
         **kwargs,
     )
 
@@ -179,7 +178,7 @@ def test_closed_standard_output_is_a_usage_error() -> None:
         [str(METRALE), "generate", "-"],
         input=b"",
         capture_output=True,
-        env=CHILD_ENV,
+        env={**os.environ, **ENV},
         preexec_fn=lambda: os.close(1),
         timeout=120,
     )
@@ -204,7 +203,7 @@ def test_a_second_run_on_the_same_output_is_refused_naming_the_first(
             second = subprocess.run(
                 [str(METRALE), "generate", str(source), *args, *extra],
                 capture_output=True,
-                env=CHILD_ENV,
+                env={**os.environ, **ENV},
                 timeout=120,
             )
             stderr = second.stderr.decode()
