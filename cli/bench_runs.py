@@ -24,7 +24,8 @@ cache.
 The budget starts each run from the acceptance estimates the last run on
 its set-up ended with (``spec/estimates.py``), kept in ``METRALE_HOME``. So
 that no auto run starts from what an earlier one learnt on the same
-prompts, the bench drops the stored estimates as it starts, has auto run
+prompts, the bench sets the stored estimates aside as it starts (and puts
+them back as it ends, however it ends), has auto run
 once on ``SEED_LINES`` lines of a set it does not time (``SEEDS``) at each batch size, and
 restores the stored estimates before every auto run of a row to what they
 were as the row began: each row's auto runs start from what was learnt on
@@ -342,17 +343,16 @@ def warm_up(base: list[str], line: dict[str, Any], batch: int, work: Path, seed:
     Job([*base, str(seeds), "--max-batch", str(batch)], work).run("auto")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    paths = args.workloads or [REPO / "bench_prompts" / f"{name}.jsonl" for name in HELD_OUT]
-    base = [*metrale_command(), "generate", *(["--model", args.model] if args.model else [])]
-    rows: list[tuple[str, int, Summary]] = []
-    found: dict[str, dict[str, list[dict[str, Any]]]] = {}
+def run_rows(
+    args: argparse.Namespace,
+    paths: Sequence[Path],
+    base: list[str],
+    seed: Path,
+    rows: list[tuple[str, int, Summary]],
+    found: dict[str, dict[str, list[dict[str, Any]]]],
+) -> None:
+    """Every row, its runs into ``rows`` and ``found`` (``main``)."""
     warmed: set[int] = set()
-    print("\n".join(table_lines([])), flush=True)
-    timed = {path.stem for path in paths}
-    seed = next(REPO / "bench_prompts" / f"{name}.jsonl" for name in SEEDS if name not in timed)
-    restore_estimates({})  # learnt afresh, on the seed lines first (module doc)
     with tempfile.TemporaryDirectory(prefix="bench-cli-") as scratch:
         work = Path(scratch)
         for path in paths:
@@ -374,6 +374,23 @@ def main(argv: Sequence[str] | None = None) -> None:
                     }
                     args.rounds_json.parent.mkdir(parents=True, exist_ok=True)
                     args.rounds_json.write_text(json.dumps(found, indent=1))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    paths = args.workloads or [REPO / "bench_prompts" / f"{name}.jsonl" for name in HELD_OUT]
+    base = [*metrale_command(), "generate", *(["--model", args.model] if args.model else [])]
+    rows: list[tuple[str, int, Summary]] = []
+    found: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    print("\n".join(table_lines([])), flush=True)
+    timed = {path.stem for path in paths}
+    seed = next(REPO / "bench_prompts" / f"{name}.jsonl" for name in SEEDS if name not in timed)
+    users = stored_estimates()  # put back as the bench ends
+    restore_estimates({})  # learnt afresh, on the seed lines first (module doc)
+    try:
+        run_rows(args, paths, base, seed, rows, found)
+    finally:
+        restore_estimates(users)
     tokens = f"{args.max_tokens} tokens" if args.max_tokens else "each line's max_tokens"
     settings = (
         f"At least {args.rounds} rounds a row, more until each configuration ran "

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from metrale.cli import bench_runs
 from metrale.cli.bench_runs import (
     CONFIGS,
     Rounds,
@@ -204,3 +205,27 @@ def test_stored_estimates_go_back_to_a_snapshot_file_for_file(
     assert stored_estimates() == saved and (folder / "a.json").read_text() == "costs"
     restore_estimates({})
     assert stored_estimates() == {} and (folder / "a.json").exists()
+
+
+def test_the_bench_puts_the_callers_estimates_back_however_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("METRALE_HOME", str(tmp_path))
+    folder = tmp_path / "calibration"
+    folder.mkdir()
+    (folder / "mine.acceptance.json").write_text("a user's run")
+    users = stored_estimates()
+    seen: list[dict[Path, bytes]] = []
+
+    def rows_that_fail(*args: Any) -> None:
+        seen.append(stored_estimates())
+        (folder / "bench.acceptance.json").write_text("learnt by the bench")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_runs, "run_rows", rows_that_fail)
+    workload = tmp_path / "set.jsonl"
+    workload.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(KeyboardInterrupt):
+        bench_runs.main([str(workload), "--docs", str(tmp_path / "b.md")])
+    assert seen == [{}], "the rows start from no stored estimates"
+    assert stored_estimates() == users
