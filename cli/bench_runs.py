@@ -21,15 +21,12 @@ untimed on one line, as a user's earlier runs would have: kernels built, the
 budget's calibration stored in ``METRALE_HOME``, the weights in the page
 cache.
 
-The budget starts each run from the acceptance estimates the last run on
-its set-up ended with (``spec/estimates.py``), kept in ``METRALE_HOME``. So
-that no auto run starts from what an earlier one learnt on the same
-prompts, the bench sets the stored estimates aside as it starts (and puts
-them back as it ends, however it ends), has auto run
-once on ``SEED_LINES`` lines of a set it does not time (``SEEDS``) at each batch size, and
-restores the stored estimates before every auto run of a row to what they
-were as the row began: each row's auto runs start from what was learnt on
-other material, as a user's next job would. ``METRALE_*`` option variables of the caller's environment are dropped,
+The budget's stored acceptance estimates are handled as
+``engine/bench/estimates_store.py`` says: the caller's set aside while the
+bench runs, auto learning once on ``SEED_LINES`` lines of a set no row times
+at each batch size, and the estimates put back, before every auto run of a
+row, to what they were as the row began: learnt on other material, as a
+user's next job would find them. ``METRALE_*`` option variables of the caller's environment are dropped,
 so each configuration is exactly its flags.
 
 Per row it prints each configuration's median process seconds and median
@@ -63,15 +60,16 @@ from pathlib import Path
 from typing import Any
 
 from metrale.engine.bench.docs_table import stamp, write_section
-from metrale.engine.load.home import metrale_home
-from metrale.engine.spec.cost import ACCEPTANCE_SUFFIX
+from metrale.engine.bench.estimates_store import (
+    SEED_LINES,
+    estimates_set_aside,
+    restore_estimates,
+    seed_set,
+    stored_estimates,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = ("short_answers", "log_summaries", "chat_tasks", "code_gen")
-# What auto's stored estimates are first learnt on: the first of these sets
-# that no row times.
-SEEDS = ("math_steps", "table_tasks", "code_refactors")
-SEED_LINES = 8
 CONFIGS: dict[str, tuple[str, ...]] = {
     "no drafts": ("--draft-policy", "fixed", "--no-mtp", "--no-prompt-lookup"),
     "copies": ("--draft-policy", "fixed", "--no-mtp"),
@@ -226,20 +224,6 @@ def run_once(argv: list[str], work: Path) -> tuple[Run, dict[str, str]]:
     return Run(process_s, int(figures["generated_tokens"]), float(figures["tokens_per_s"])), texts
 
 
-def stored_estimates() -> dict[Path, bytes]:
-    """The draft budget's stored acceptance estimates, file by file (``spec/cost.py``)."""
-    folder = metrale_home() / "calibration"
-    return {path: path.read_bytes() for path in folder.glob(f"*{ACCEPTANCE_SUFFIX}")}
-
-
-def restore_estimates(saved: dict[Path, bytes]) -> None:
-    """The stored estimates back as ``saved`` holds them: no file more, none less."""
-    for path in stored_estimates().keys() - saved.keys():
-        path.unlink(missing_ok=True)
-    for path, data in saved.items():
-        path.write_bytes(data)
-
-
 @dataclass(frozen=True)
 class Job:
     """What every process of a row shares: the command up to the flags of a
@@ -383,14 +367,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows: list[tuple[str, int, Summary]] = []
     found: dict[str, dict[str, list[dict[str, Any]]]] = {}
     print("\n".join(table_lines([])), flush=True)
-    timed = {path.stem for path in paths}
-    seed = next(REPO / "bench_prompts" / f"{name}.jsonl" for name in SEEDS if name not in timed)
-    users = stored_estimates()  # put back as the bench ends
-    restore_estimates({})  # learnt afresh, on the seed lines first (module doc)
-    try:
+    seed = seed_set(path.stem for path in paths)
+    with estimates_set_aside():  # learnt afresh, on the seed lines first (module doc)
         run_rows(args, paths, base, seed, rows, found)
-    finally:
-        restore_estimates(users)
     tokens = f"{args.max_tokens} tokens" if args.max_tokens else "each line's max_tokens"
     settings = (
         f"At least {args.rounds} rounds a row, more until each configuration ran "

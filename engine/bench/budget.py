@@ -35,7 +35,11 @@ two medians, and the median over rounds of the ratio within a round
 ``workload/batch``, are written there after each row. Outputs are
 greedy and compared token for token with the no-drafts run; a difference is
 an error. The budget's calibration is taken (or read from ``METRALE_HOME``)
-before anything is timed. Timings are wall clock on a shared machine: read
+before anything is timed. Its stored acceptance estimates are handled as
+``estimates_store.py`` says: learnt first on lines of a set no row times,
+and put back before every round to what they were as the row began (before
+its warm-ups), so that no round's budget starts from what an earlier round
+learnt on the same lines. Timings are wall clock on a shared machine: read
 ratios, not absolute figures. No assertion is made: this prints figures.
 """
 
@@ -52,6 +56,13 @@ from pathlib import Path
 
 from metrale.engine.api import Request, Result, SamplingParams
 from metrale.engine.bench.docs_table import stamp, write_section
+from metrale.engine.bench.estimates_store import (
+    SEED_LINES,
+    estimates_set_aside,
+    restore_estimates,
+    seed_set,
+    stored_estimates,
+)
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine
 from metrale.engine.load.loader import LoadedModel, load_model
@@ -146,9 +157,13 @@ def bench_workload(
             raise SystemExit(f"{name}, batch {batch}: {key} changed the greedy output")
         return sum(len(ids) for ids in out.values()) / seconds
 
+    began = stored_estimates()  # what every round's auto starts from (module doc)
     for key in configs:  # untimed warm-ups
         warm_up(models[key], configs[key], requests[0])
-    by_round = [step_by_step(models, configs, requests, batch == 1, r) for r in range(repeats)]
+    by_round = []
+    for r in range(repeats):
+        restore_estimates(began)
+        by_round.append(step_by_step(models, configs, requests, batch == 1, r))
     return {key: [rate(key, *measured[key]) for measured in by_round] for key in configs}
 
 
@@ -171,6 +186,35 @@ def summarise(rounds: dict[str, list[float]]) -> Summary:
     best = max(FIXED, key=lambda k: rates[k])
     paired = statistics.median(a / b for a, b in zip(rounds["auto"], rounds[best], strict=True))
     return Summary(rates, best, rates["auto"] / rates[best], paired)
+
+
+def bench_paths(
+    args: argparse.Namespace,
+    paths: Sequence[Path],
+    models: dict[str, LoadedModel],
+    table: list[str],
+    found: dict[str, dict[str, list[float]]],
+) -> None:
+    """Every workload's rows, printed and added to ``table`` (and ``found``)."""
+    loaded = models["no drafts"]
+    for path in paths:
+        requests = read_requests(path, loaded, args.max_tokens)
+        shapes = [(1, requests[: args.single]), (args.batch, requests[: args.batch])]
+        if args.batch_one != "yes":
+            shapes = shapes[:1] if args.batch_one == "only" else shapes[1:]
+        for batch, subset in shapes:
+            repeats = args.repeats if batch == 1 else args.batch_repeats
+            rounds = bench_workload(models, path.stem, subset, batch, repeats)
+            row = summarise(rounds)
+            cells = [f"{row.rates[k]:.1f}" for k in CONFIGS]
+            table.append(
+                f"| {path.stem} | {batch} | {' | '.join(cells)} | {row.ratio:.3f}x "
+                f"| {row.paired:.3f}x | {row.best} |"
+            )
+            print(table[-1], flush=True)
+            if args.rounds_json is not None:
+                found[f"{path.stem}/{batch}"] = rounds
+                args.rounds_json.write_text(json.dumps(found, indent=1))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -198,24 +242,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     columns = ["workload", "batch", *CONFIGS, "auto / best fixed", "paired", "best fixed"]
     table = [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
     print("\n".join(table))
-    for path in paths:
-        requests = read_requests(path, loaded, args.max_tokens)
-        shapes = [(1, requests[: args.single]), (args.batch, requests[: args.batch])]
-        if args.batch_one != "yes":
-            shapes = shapes[:1] if args.batch_one == "only" else shapes[1:]
-        for batch, subset in shapes:
-            repeats = args.repeats if batch == 1 else args.batch_repeats
-            rounds = bench_workload(models, path.stem, subset, batch, repeats)
-            row = summarise(rounds)
-            cells = [f"{row.rates[k]:.1f}" for k in CONFIGS]
-            table.append(
-                f"| {path.stem} | {batch} | {' | '.join(cells)} | {row.ratio:.3f}x "
-                f"| {row.paired:.3f}x | {row.best} |"
-            )
-            print(table[-1], flush=True)
-            if args.rounds_json is not None:
-                found[f"{path.stem}/{batch}"] = rounds
-                args.rounds_json.write_text(json.dumps(found, indent=1))
+    with estimates_set_aside():
+        seed = read_requests(seed_set(p.stem for p in paths), loaded, args.max_tokens)
+        auto = EngineConfig(max_batch=args.batch, **CONFIGS["auto"])  # type: ignore[arg-type]
+        list(Engine.from_loaded(models["auto"], auto).generate(seed[:SEED_LINES]))
+        bench_paths(args, paths, models, table, found)
     tokens = (
         f"at most {args.max_tokens} tokens a line" if args.max_tokens else "each line's max_tokens"
     )

@@ -16,12 +16,11 @@ from metrale.cli.bench_runs import (
     Run,
     capped,
     record_text,
-    restore_estimates,
     rotated,
-    stored_estimates,
     summarise,
 )
 from metrale.engine.bench.docs_table import stamp, write_section
+from metrale.engine.bench.estimates_store import restore_estimates, stored_estimates
 
 
 def runs(*seconds: float, tokens: int = 100) -> list[Run]:

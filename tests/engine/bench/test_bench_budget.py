@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
 from metrale.engine.api import Request, SamplingParams
-from metrale.engine.bench.budget import step_by_step, summarise
+from metrale.engine.bench import budget
+from metrale.engine.bench.budget import bench_workload, step_by_step, summarise
+from metrale.engine.bench.estimates_store import stored_estimates
 from metrale.engine.config import EngineConfig
 from metrale.engine.load.loader import LoadedModel
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
@@ -99,3 +102,31 @@ def test_configurations_take_turns_step_by_step_each_on_its_own_model(
     assert max(n for key, n in turns if key == "MTP") <= 2
     tail = list(itertools.takewhile(lambda k: k == order[-1], reversed(order)))
     assert len(tail) <= 5
+
+
+def test_every_round_starts_from_the_estimates_its_row_began_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("METRALE_HOME", str(tmp_path))
+    folder = tmp_path / "calibration"
+    folder.mkdir()
+    (folder / "k.acceptance.json").write_text("learnt on other sets")
+    began = stored_estimates()
+    seen: list[dict[Path, bytes]] = []
+
+    def warm_up(*args: Any) -> None:  # learns on the row's own first line
+        (folder / "k.acceptance.json").write_text("learnt on the warm-up")
+
+    def one_round(models: Any, configs: Any, requests: Any, one: bool, round_: int) -> Any:
+        seen.append(stored_estimates())
+        (folder / "k.acceptance.json").write_text(f"learnt in round {round_}")
+        (folder / "new.acceptance.json").write_text("a key of its own")
+        return {key: (1.0, {"0": [1]}) for key in configs}
+
+    monkeypatch.setattr(budget, "warm_up", warm_up)
+    monkeypatch.setattr(budget, "step_by_step", one_round)
+    models = cast(dict[str, LoadedModel], dict.fromkeys(budget.CONFIGS))
+    requests = [Request("0", (1, 2), SamplingParams(max_tokens=1))]
+    rounds = bench_workload(models, "set", requests, 1, 3)
+    assert seen == [began] * 3
+    assert rounds["auto"] == [1.0] * 3
