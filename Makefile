@@ -111,12 +111,14 @@ bench-grammar: setup
 # The draft budget (--draft-policy auto) against no drafts, copies only, MTP
 # only and both under the fixed policy, at batch 1 and 16, on the sample
 # workloads and the held-out bench_prompts/ sets nothing was tuned on, short
-# answers and log summaries among them. BENCH_BUDGET_ARGS passes options, e.g.
+# answers and log summaries among them. Writes the bench-budget section of
+# docs/benchmarks.md and the README's summary of it (## How fast).
+# BENCH_BUDGET_ARGS passes options, e.g.
 # "--repeats 2 --batch-repeats 3" for a shorter run.
 BENCH_BUDGET_SETS ?= sample_prompts/*.jsonl bench_prompts/code_gen.jsonl bench_prompts/math_steps.jsonl bench_prompts/chat_tasks.jsonl bench_prompts/table_tasks.jsonl bench_prompts/short_answers.jsonl bench_prompts/log_summaries.jsonl
 BENCH_BUDGET_ARGS ?=
 bench-budget: setup
-	$(PY) -m metrale.engine.bench.budget $(BENCH_BUDGET_SETS) --rounds-json build/bench_budget_rounds.json $(BENCH_BUDGET_ARGS)
+	$(PY) -m metrale.engine.bench.budget $(BENCH_BUDGET_SETS) --readme README.md --rounds-json build/bench_budget_rounds.json $(BENCH_BUDGET_ARGS)
 
 # What each mechanism of the draft budget earns: the budget whole against the
 # budget with each mechanism off, same run, step by step, at batch 1 and 16, on

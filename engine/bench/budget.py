@@ -32,7 +32,12 @@ It prints each one's median tokens/s, which fixed configuration was best
 two medians, and the median over rounds of the ratio within a round
 (``paired``), which cancels what the runs of a round share. With
 ``--rounds-json PATH``, every round's tokens/s per configuration, by
-``workload/batch``, are written there after each row. Outputs are
+``workload/batch``, are written there after each row. The table goes to
+``--docs`` (section ``## bench-budget``, stamped); with ``--readme PATH``
+(``make bench-budget``: the README), a summary of it goes to that file's
+``## How fast`` section too: per batch size, the budget's lowest, median and
+highest ratio to the best fixed choice over the workloads, and how many
+rows are at 0.97x and 1.1x or above (``readme_summary``). Outputs are
 greedy and compared token for token with the no-drafts run; a difference is
 an error. The budget's calibration is taken (or read from ``METRALE_HOME``)
 before anything is timed. Its stored acceptance estimates are handled as
@@ -188,15 +193,18 @@ def summarise(rounds: dict[str, list[float]]) -> Summary:
     return Summary(rates, best, rates["auto"] / rates[best], paired)
 
 
+Row = tuple[str, int, Summary]  # workload, batch, figures
+
+
 def bench_paths(
     args: argparse.Namespace,
     paths: Sequence[Path],
     models: dict[str, LoadedModel],
-    table: list[str],
     found: dict[str, dict[str, list[float]]],
-) -> None:
-    """Every workload's rows, printed and added to ``table`` (and ``found``)."""
+) -> list[Row]:
+    """Every workload's rows, each printed as it is measured (and kept in ``found``)."""
     loaded = models["no drafts"]
+    rows: list[Row] = []
     for path in paths:
         requests = read_requests(path, loaded, args.max_tokens)
         shapes = [(1, requests[: args.single]), (args.batch, requests[: args.batch])]
@@ -205,16 +213,46 @@ def bench_paths(
         for batch, subset in shapes:
             repeats = args.repeats if batch == 1 else args.batch_repeats
             rounds = bench_workload(models, path.stem, subset, batch, repeats)
-            row = summarise(rounds)
-            cells = [f"{row.rates[k]:.1f}" for k in CONFIGS]
-            table.append(
-                f"| {path.stem} | {batch} | {' | '.join(cells)} | {row.ratio:.3f}x "
-                f"| {row.paired:.3f}x | {row.best} |"
-            )
-            print(table[-1], flush=True)
+            rows.append((path.stem, batch, summarise(rounds)))
+            print(table_lines(rows[-1:])[-1], flush=True)
             if args.rounds_json is not None:
                 found[f"{path.stem}/{batch}"] = rounds
                 args.rounds_json.write_text(json.dumps(found, indent=1))
+    return rows
+
+
+def table_lines(rows: Sequence[Row]) -> list[str]:
+    """The docs table: a header, then one line per row."""
+    columns = ["workload", "batch", *CONFIGS, "auto / best fixed", "paired", "best fixed"]
+    lines = [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
+    for name, batch, row in rows:
+        cells = " | ".join(f"{row.rates[k]:.1f}" for k in CONFIGS)
+        lines.append(
+            f"| {name} | {batch} | {cells} | {row.ratio:.3f}x | {row.paired:.3f}x | {row.best} |"
+        )
+    return lines
+
+
+def readme_summary(rows: Sequence[Row]) -> list[str]:
+    """The README's summary of a run: per batch size, how the budget's
+    ratio to the best fixed choice spreads over the workloads."""
+    lines = [
+        "| batch | workloads | auto / best fixed: lowest | median | highest "
+        "| at 0.97x or above | at 1.1x or above |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for batch in sorted({b for _, b, _ in rows}):
+        at = sorted(((row.ratio, name) for name, b, row in rows if b == batch))
+        n = len(at)
+        (low, low_name), (high, high_name) = at[0], at[-1]
+        middle = statistics.median(r for r, _ in at)
+        fair = sum(r >= 0.97 for r, _ in at)
+        fast = sum(r >= 1.1 for r, _ in at)
+        lines.append(
+            f"| {batch} | {n} | {low:.3f}x ({low_name}) | {middle:.3f}x "
+            f"| {high:.3f}x ({high_name}) | {fair} of {n} | {fast} of {n} |"
+        )
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -231,6 +269,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--rounds-json", type=Path, default=None, help="write every round's tokens/s here"
     )
     parser.add_argument("--docs", type=Path, default=Path("docs/benchmarks.md"))
+    parser.add_argument(
+        "--readme", type=Path, default=None, help="also write its summary into this README"
+    )
     args = parser.parse_args(argv)
     found: dict[str, dict[str, list[float]]] = {}
     if args.rounds_json is not None:
@@ -238,15 +279,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     paths = args.workloads or sorted(Path("sample_prompts").glob("*.jsonl"))
     runtime = RuntimeConfig(num_slots=args.batch)
     models = {key: load_model(args.model, runtime) for key in CONFIGS}
-    loaded = models["no drafts"]
-    columns = ["workload", "batch", *CONFIGS, "auto / best fixed", "paired", "best fixed"]
-    table = [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
-    print("\n".join(table))
+    print("\n".join(table_lines([])))
     with estimates_set_aside():
-        seed = read_requests(seed_set(p.stem for p in paths), loaded, args.max_tokens)
+        seed = read_requests(seed_set(p.stem for p in paths), models["auto"], args.max_tokens)
         auto = EngineConfig(max_batch=args.batch, **CONFIGS["auto"])  # type: ignore[arg-type]
         list(Engine.from_loaded(models["auto"], auto).generate(seed[:SEED_LINES]))
-        bench_paths(args, paths, models, table, found)
+        rows = bench_paths(args, paths, models, found)
     tokens = (
         f"at most {args.max_tokens} tokens a line" if args.max_tokens else "each line's max_tokens"
     )
@@ -254,7 +292,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{args.repeats} rounds at batch 1 (the first {args.single} lines, one at a time), "
         f"{args.batch_repeats} at batch {args.batch} (the first {args.batch} together); {tokens}."
     )
-    write_section(args.docs, "bench-budget", f"{stamp()}\n\n{settings}\n\n" + "\n".join(table))
+    figures = [stamp(), settings, "\n".join(table_lines(rows))]
+    write_section(args.docs, "bench-budget", "\n\n".join(figures))
+    if args.readme is not None:
+        figures[2] = "\n".join(readme_summary(rows))
+        write_section(args.readme, "How fast", "\n\n".join(figures))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,13 @@ import pytest
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.bench import budget
-from metrale.engine.bench.budget import bench_workload, step_by_step, summarise
+from metrale.engine.bench.budget import (
+    Summary,
+    bench_workload,
+    readme_summary,
+    step_by_step,
+    summarise,
+)
 from metrale.engine.bench.estimates_store import stored_estimates
 from metrale.engine.config import EngineConfig
 from metrale.engine.load.loader import LoadedModel
@@ -130,3 +136,20 @@ def test_every_round_starts_from_the_estimates_its_row_began_with(
     rounds = bench_workload(models, "set", requests, 1, 3)
     assert seen == [began] * 3
     assert rounds["auto"] == [1.0] * 3
+
+
+def test_the_readme_summary_spreads_each_batch_sizes_ratios_over_its_workloads() -> None:
+    def row(ratio: float) -> Summary:
+        return Summary({}, "copies", ratio, ratio)
+
+    rows = [
+        ("a", 1, row(1.2)),
+        ("b", 1, row(0.95)),
+        ("c", 1, row(1.0)),
+        ("a", 16, row(0.98)),
+        ("b", 16, row(0.99)),
+    ]
+    lines = readme_summary(rows)
+    assert lines[2] == "| 1 | 3 | 0.950x (b) | 1.000x | 1.200x (a) | 2 of 3 | 1 of 3 |"
+    assert lines[3] == "| 16 | 2 | 0.980x (a) | 0.985x | 0.990x (b) | 2 of 2 | 0 of 2 |"
+    assert len(lines) == 4
