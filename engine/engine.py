@@ -313,6 +313,7 @@ class Engine:
                 self._queues.decoding.remove(seq)
             self._queues.ended_on_its_own |= seq.finish_reason == "stop"
             self._free_slots.append(seq.slot)
+            self._feed_ended(seq)
             if self._shared is not None and seq.scope is not None and seq.error is None:
                 self._shared.insert(seq.scope, seq.history)
             if seq.grammar is not None:
@@ -320,6 +321,16 @@ class Engine:
             self._counters.requests_done += 1
             results.append(seq.result(self._decode, self._token_bytes))
         return results
+
+    def _feed_ended(self, seq: SeqState) -> None:
+        """The head reads the prompt rows ``seq``'s chain held (``DraftPolicy.ended``),
+        so that its slot serves the prompt's prefix to the requests after it."""
+        if self._prefixes is None or self._drafter is None or seq.error is not None:
+            return
+        feed = self.policy.ended(seq)
+        if feed is not None:
+            draft_feed, rows = feed
+            self._drafter.feed_and_draft([draft_feed], rows)
 
     # -- helpers ------------------------------------------------------------
 

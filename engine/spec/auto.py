@@ -309,6 +309,16 @@ class AutoPolicy:
         if self.costs.cache is not None:
             self.costs.cache.store_acceptance(self.budget.rates.estimates())
 
+    def ended(self, seq: SeqState) -> Feed | None:
+        """The prompt rows a resting chain held, fed (``DraftPolicy.ended``):
+        the head reads them once, where the prompt's own prefill would
+        have had it read them every time the prefix is reused."""
+        released = self.rest.release_prompt(seq)
+        if released is None:
+            return None
+        start, next_ids, rows = released
+        return DraftFeed(seq, start, next_ids, 0), rows
+
     def snapshot(self, final: bool = False) -> BudgetStats | None:
         now = time.perf_counter()
         if final or self._snapshot is None or now - self._published >= PUBLISH_EVERY_S:

@@ -105,6 +105,13 @@ class DraftPolicy(Protocol):
         """Keeps what the policy measured for the next run."""
         ...
 
+    def ended(self, seq: SeqState) -> Feed | None:
+        """A feed (drafting nothing) that brings the MTP head up to the
+        prompt rows an ended ``seq`` held back from it, so that its slot can
+        serve the prompt's prefix to later requests (``prefix_cache.py``
+        reuses only the rows every module holds); None when there are none."""
+        ...
+
     def snapshot(self, final: bool = False) -> BudgetStats | None:
         """The policy's figures for the stats snapshot; None where it keeps none."""
         ...
@@ -180,6 +187,9 @@ class FixedPolicy:
 
     def save(self) -> None:
         pass
+
+    def ended(self, seq: SeqState) -> Feed | None:
+        return None
 
     def snapshot(self, final: bool = False) -> BudgetStats | None:
         return None

@@ -91,6 +91,17 @@ class SeqRest:
     def held_rows(self) -> int:
         return self._held_count
 
+    def release_below(self, end: int) -> tuple[int, list[int], torch.Tensor] | None:
+        """The held rows at positions below ``end``, as one feed (None: none),
+        and nothing held any more: the sequence has ended."""
+        held, self.held, self._held_count = self.held, [], 0
+        if not held or held[0][0] >= end:
+            return None
+        first = held[0][0]
+        ids = [t for _, held_ids, _ in held for t in held_ids][: end - first]
+        hidden = torch.cat([r for _, _, r in held])[: len(ids)]
+        return first, ids, hidden
+
 
 class ChainRest:
     """Which chains the head drafts for, priced by ``budget`` (module doc)."""
@@ -127,6 +138,11 @@ class ChainRest:
 
     def held_rows(self, seq: SeqState) -> int:
         return self.for_seq(seq).held_rows()
+
+    def release_prompt(self, seq: SeqState) -> tuple[int, list[int], torch.Tensor] | None:
+        """An ended ``seq``'s held rows of its prompt (``SeqRest.release_below``)."""
+        own = self._seqs.get(seq)
+        return None if own is None else own.release_below(seq.prompt_len)
 
     # -- what a look could pay --------------------------------------------------
 

@@ -8,8 +8,9 @@ import pytest
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.engine import Engine
+from metrale.engine.engine import Engine, calibration_key
 from metrale.engine.load.loader import LoadedModel, load_model
+from metrale.engine.spec.cost import CALIBRATION_FEEDS, CALIBRATION_ROWS, Calibration, CostCache
 from tests.support.checkpoints import write_tiny_checkpoint
 
 SHARED = list(range(3, 3 + 40))  # a 40-token "system prompt"
@@ -56,6 +57,30 @@ def test_output_is_the_same_with_and_without_the_cache(
     # All but the first line reuse the shared prompt, less the MTP module's lag.
     lag = 1 if loaded.mtp else 0
     assert cached >= (len(requests) - 1) * (len(SHARED) - lag)
+
+
+def test_one_line_at_a_time_under_auto_reuses_the_prompt_a_resting_chain_held(
+    loaded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain that rests holds its prompt back from the MTP module, and a
+    slot serves only the rows every module holds: the module reads the held
+    prompt rows as the sequence ends, so the next line still reuses them."""
+    if not loaded.mtp:
+        pytest.skip("no MTP module: nothing is held back")
+    monkeypatch.setenv("METRALE_HOME", str(tmp_path))
+    # A head forward so dear that no chain ever pays it: every chain rests.
+    verify = {rows: 1e-3 for rows in CALIBRATION_ROWS}
+    head = {feeds: 10.0 for feeds in CALIBRATION_FEEDS}
+    CostCache(tmp_path, calibration_key(loaded)).store(Calibration(verify, head, 1.0))
+    requests = lines(False)[:4]
+    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=1, draft_policy="auto"))
+    results = {r.request_id: r.output_ids for r in engine.generate(requests)}
+    stats = engine.stats()
+    assert sum(stats.mtp_proposed_by_position) == 0, "the chains rested"
+    assert stats.prefix_hits == 3
+    assert stats.cached_tokens >= 3 * (len(SHARED) - 1)
+    plain, _ = run(loaded, requests, max_batch=1, prefix_cache=False)
+    assert results == plain
 
 
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
