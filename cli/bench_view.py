@@ -37,7 +37,8 @@ DEFINITIONS = {
     "copies": "prompt-lookup copies verified / tokens proposed / tokens accepted",
     "mtp_acceptance": "accepted / proposed MTP drafts at chain depth 1, 2, ...",
     "peak_mb": "CPU: weights + preallocated KV slots + resident-set high-water above the idle "
-    "process during the run (sampled every 5 ms); CUDA: torch.cuda.max_memory_allocated",
+    "process during the run (sampled every few milliseconds); CUDA: "
+    "torch.cuda.max_memory_allocated",
     "reference": "every output is compared with transformers greedy at batch 1",
     "divergence": "compare=divergence (bfloat16 on CUDA): per request, the first output token "
     "that differs from the reference (null: equal), and the mean common prefix in tokens next "

@@ -73,7 +73,7 @@ def _clock(seconds: float | None) -> str:
 
 
 def headline(stats: EngineStats, counters: RunCounters) -> str:
-    """``12/40 requests, 1 failed, 35.2 tok/s, ETA 0:00:31`` (no ETA on stdin)."""
+    """``done/total requests, failed, tokens, tok/s, ETA h:mm:ss`` (no ETA on stdin)."""
     total = "?" if counters.total is None else str(counters.total)
     parts = [f"{counters.done}/{total} requests", f"{counters.failed} failed"]
     parts.append(f"{stats.generated_tokens} tokens")

@@ -358,11 +358,12 @@ def chain_worth(
 
     ``opts``: the sequence's gains (``plan.py``), the chain's first and its
     copy's, if any, second; ``choice``: the plan's ``(source, drafts)`` for
-    it; ``step_s``: seconds of a step by its rows. Example: rows at 3 ms
-    over a 10 ms step, a chain of gains [0.9, 1.6] taken whole (3 rows in
-    16 ms, 2.6 tokens: 162.5 tokens/s) beside a copy of [0.5]: the chain's
-    1.6 less its 6 ms (0.975 token) is 0.625; the copy's 0.5 less its 3 ms
-    (0.4875) is 0.0125; the chain added 0.6125."""
+    it; ``step_s``: seconds of a step by its rows. Example, in time units:
+    rows at 3 units over a 10-unit step, a chain of gains [0.9, 1.6] taken
+    whole (3 rows in 16 units, 2.6 tokens: 0.1625 token a unit) beside a
+    copy of [0.5]: the chain's 1.6 less its 6 units (0.975 token) is 0.625;
+    the copy's 0.5 less its 3 units (0.4875) is 0.0125; the chain added
+    0.6125."""
     o, n = choice
     if n == 0 or o != 0:
         return 0.0

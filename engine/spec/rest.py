@@ -94,13 +94,13 @@ class SeqRest:
     def release_below(self, end: int) -> tuple[int, list[int], torch.Tensor] | None:
         """The held rows at positions below ``end``, as one feed (None: none),
         and nothing held any more: the sequence has ended."""
-        held, self.held, self._held_count = self.held, [], 0
-        if not held or held[0][0] >= end:
+        below = [feed for feed in self.held if feed[0] < end]
+        self.held, self._held_count = [], 0
+        if not below:
             return None
-        first = held[0][0]
-        ids = [t for _, held_ids, _ in held for t in held_ids][: end - first]
-        hidden = torch.cat([r for _, _, r in held])[: len(ids)]
-        return first, ids, hidden
+        first = below[0][0]
+        ids = [t for _, held_ids, _ in below for t in held_ids][: end - first]
+        return first, ids, torch.cat([rows for _, _, rows in below])[: len(ids)]
 
 
 class ChainRest:
@@ -341,9 +341,9 @@ def look_may_pay(margin: float, rate: float, tokens: int, held: int, held_row_s:
     the ``tokens`` the sequence has left to write (a step makes one at
     least), against the head's time over the ``held`` rows the chain holds,
     which the look feeds it, in tokens at ``rate`` (``held_row_s``:
-    ``CostModel.held_row_s``). Example: a margin of 0.8 token at 100
-    tokens/s and 0.5 ms a held row: 100 held rows cost 5 tokens, repaid
-    over 7 tokens left (5.6), not over 6 (4.8)."""
+    ``CostModel.held_row_s``). Example, in time units: a margin of 0.8
+    token at 0.1 token a unit and 0.5 unit a held row: 100 held rows cost
+    5 tokens, repaid over 7 tokens left (5.6), not over 6 (4.8)."""
     if margin <= 0:
         return False
     return margin * tokens > rate * held * held_row_s
