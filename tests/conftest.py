@@ -30,6 +30,16 @@ def session_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield home
 
 
+@pytest.fixture
+def calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ``$METRALE_HOME`` of the test's own; its ``calibration/`` folder,
+    made empty, where the draft budget stores its costs and estimates."""
+    monkeypatch.setenv("METRALE_HOME", str(tmp_path))
+    folder = tmp_path / "calibration"
+    folder.mkdir()
+    return folder
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One intra-op thread for a module of tiny forwards: on a shared 2-core

@@ -20,7 +20,7 @@ from metrale.cli.bench_runs import (
     summarise,
 )
 from metrale.engine.bench.docs_table import stamp, write_section
-from metrale.engine.bench.estimates_store import restore_estimates, stored_estimates
+from metrale.engine.bench.estimates_store import stored_estimates
 
 
 def runs(*seconds: float, tokens: int = 100) -> list[Run]:
@@ -188,30 +188,10 @@ def test_the_stamp_names_machine_date_and_commit() -> None:
     assert " Date: " in line and " Commit: " in line and line.endswith(".")
 
 
-def test_stored_estimates_go_back_to_a_snapshot_file_for_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("METRALE_HOME", str(tmp_path))
-    folder = tmp_path / "calibration"
-    folder.mkdir()
-    (folder / "a.acceptance.json").write_text("a")
-    (folder / "a.json").write_text("costs")  # the costs are not estimates
-    saved = stored_estimates()
-    assert saved == {folder / "a.acceptance.json": b"a"}
-    (folder / "a.acceptance.json").write_text("learnt on this row")
-    (folder / "b.acceptance.json").write_text("b")
-    restore_estimates(saved)
-    assert stored_estimates() == saved and (folder / "a.json").read_text() == "costs"
-    restore_estimates({})
-    assert stored_estimates() == {} and (folder / "a.json").exists()
-
-
 def test_the_bench_puts_the_callers_estimates_back_however_it_ends(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    calibration: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("METRALE_HOME", str(tmp_path))
-    folder = tmp_path / "calibration"
-    folder.mkdir()
+    folder = calibration
     (folder / "mine.acceptance.json").write_text("a user's run")
     users = stored_estimates()
     seen: list[dict[Path, bytes]] = []

@@ -111,11 +111,9 @@ def test_configurations_take_turns_step_by_step_each_on_its_own_model(
 
 
 def test_every_round_starts_from_the_estimates_its_row_began_with(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    calibration: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("METRALE_HOME", str(tmp_path))
-    folder = tmp_path / "calibration"
-    folder.mkdir()
+    folder = calibration
     (folder / "k.acceptance.json").write_text("learnt on other sets")
     began = stored_estimates()
     seen: list[dict[Path, bytes]] = []
