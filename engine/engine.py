@@ -324,8 +324,12 @@ class Engine:
 
     def _feed_ended(self, seq: SeqState) -> None:
         """The head reads the prompt rows ``seq``'s chain held (``DraftPolicy.ended``),
-        so that its slot serves the prompt's prefix to the requests after it."""
+        so that its slot serves the prompt's prefix to the requests after it;
+        not once the stream has ended and nothing waits, when no request
+        is left to reuse it (the rows are dropped with the sequence)."""
         if self._prefixes is None or self._drafter is None or seq.error is not None:
+            return
+        if self._queues.stream_done and not self._queues.waiting:
             return
         feed = self.policy.ended(seq)
         if feed is not None:

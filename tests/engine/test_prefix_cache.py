@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine, calibration_key
 from metrale.engine.load.loader import LoadedModel, load_model
 from metrale.engine.spec.cost import CALIBRATION_FEEDS, CALIBRATION_ROWS, Calibration, CostCache
+from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 from tests.support.checkpoints import write_tiny_checkpoint
 
 SHARED = list(range(3, 3 + 40))  # a 40-token "system prompt"
@@ -59,6 +61,15 @@ def test_output_is_the_same_with_and_without_the_cache(
     assert cached >= (len(requests) - 1) * (len(SHARED) - lag)
 
 
+def chains_rest(loaded: LoadedModel, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stores a head forward so dear that no chain ever pays it: under
+    ``auto`` every chain rests and holds its rows."""
+    monkeypatch.setenv("METRALE_HOME", str(home))
+    verify = {rows: 1e-3 for rows in CALIBRATION_ROWS}
+    head = {feeds: 10.0 for feeds in CALIBRATION_FEEDS}
+    CostCache(home, calibration_key(loaded)).store(Calibration(verify, head, 1.0))
+
+
 def test_one_line_at_a_time_under_auto_reuses_the_prompt_a_resting_chain_held(
     loaded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -67,11 +78,7 @@ def test_one_line_at_a_time_under_auto_reuses_the_prompt_a_resting_chain_held(
     prompt rows as the sequence ends, so the next line still reuses them."""
     if not loaded.mtp:
         pytest.skip("no MTP module: nothing is held back")
-    monkeypatch.setenv("METRALE_HOME", str(tmp_path))
-    # A head forward so dear that no chain ever pays it: every chain rests.
-    verify = {rows: 1e-3 for rows in CALIBRATION_ROWS}
-    head = {feeds: 10.0 for feeds in CALIBRATION_FEEDS}
-    CostCache(tmp_path, calibration_key(loaded)).store(Calibration(verify, head, 1.0))
+    chains_rest(loaded, tmp_path, monkeypatch)
     requests = lines(False)[:4]
     engine = Engine.from_loaded(loaded, EngineConfig(max_batch=1, draft_policy="auto"))
     results = {r.request_id: r.output_ids for r in engine.generate(requests)}
@@ -80,6 +87,36 @@ def test_one_line_at_a_time_under_auto_reuses_the_prompt_a_resting_chain_held(
     assert stats.prefix_hits == 3
     assert stats.cached_tokens >= 3 * (len(SHARED) - 1)
     plain, _ = run(loaded, requests, max_batch=1, prefix_cache=False)
+    assert results == plain
+
+
+def test_no_prompt_row_is_fed_once_no_request_is_left_to_reuse_it(
+    loaded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lines admitted together from a stream that has ended: the first
+    line's prompt is fed at once (the others wait on it), and the rows the
+    others' resting chains held are dropped unread as they end, since no
+    request is left to reuse them."""
+    if not loaded.mtp:
+        pytest.skip("no MTP module: nothing is held back")
+    chains_rest(loaded, tmp_path, monkeypatch)
+    fed: list[int] = []
+    feed_and_draft = MtpDrafter.feed_and_draft
+
+    def counted(self: MtpDrafter, feeds: list[DraftFeed], rows: torch.Tensor) -> object:
+        fed.append(rows.shape[0])
+        return feed_and_draft(self, feeds, rows)
+
+    monkeypatch.setattr(MtpDrafter, "feed_and_draft", counted)
+    # Fewer lines than slots: the engine reads the stream's end as it admits them.
+    requests = lines(False)[:3]
+    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=4, draft_policy="auto"))
+    results = {r.request_id: r.output_ids for r in engine.generate(requests)}
+    assert engine.stats().prefix_hits == 2
+    # The first prompt, and the first line's first verified row, read while
+    # the others still waited on its slot; none of the rows the others held.
+    assert sum(fed) == len(requests[0].prompt_ids) + 1
+    plain, _ = run(loaded, requests, max_batch=4, prefix_cache=False)
     assert results == plain
 
 
