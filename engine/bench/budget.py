@@ -42,9 +42,11 @@ greedy and compared token for token with the no-drafts run; a difference is
 an error. The budget's calibration is taken (or read from ``METRALE_HOME``)
 before anything is timed. Its stored acceptance estimates are handled as
 ``estimates_store.py`` says: learnt first on lines of a set no row times,
-and put back before every round to what they were as the row began (before
-its warm-ups), so that no round's budget starts from what an earlier round
-learnt on the same lines. Timings are wall clock on a shared machine: read
+and put back before every round of every row to what that learning left,
+so that no round's budget starts from what an earlier round, warm-up or
+row learnt (a workload's batch-16 row from its own batch-1 lines, say).
+All timed sets share one stored set-up, as every model here has
+``--batch`` slots. Timings are wall clock on a shared machine: read
 ratios, not absolute figures. No assertion is made: this prints figures.
 """
 
@@ -152,8 +154,11 @@ def bench_workload(
     requests: Sequence[Request],
     batch: int,
     repeats: int,
+    start: dict[Path, bytes],
 ) -> dict[str, list[float]]:
-    """Tokens/s per configuration, round by round; raises on any output difference."""
+    """Tokens/s per configuration, round by round, every round's budget
+    starting from the stored estimates ``start`` (``stored_estimates``);
+    raises on any output difference."""
     configs = {k: EngineConfig(max_batch=batch, **v) for k, v in CONFIGS.items()}  # type: ignore[arg-type]
     expected: dict[str, Outputs] = {}
 
@@ -162,12 +167,11 @@ def bench_workload(
             raise SystemExit(f"{name}, batch {batch}: {key} changed the greedy output")
         return sum(len(ids) for ids in out.values()) / seconds
 
-    began = stored_estimates()  # what every round's auto starts from (module doc)
     for key in configs:  # untimed warm-ups
         warm_up(models[key], configs[key], requests[0])
     by_round = []
     for r in range(repeats):
-        restore_estimates(began)
+        restore_estimates(start)
         by_round.append(step_by_step(models, configs, requests, batch == 1, r))
     return {key: [rate(key, *measured[key]) for measured in by_round] for key in configs}
 
@@ -201,8 +205,10 @@ def bench_paths(
     paths: Sequence[Path],
     models: dict[str, LoadedModel],
     found: dict[str, dict[str, list[float]]],
+    start: dict[Path, bytes],
 ) -> list[Row]:
-    """Every workload's rows, each printed as it is measured (and kept in ``found``)."""
+    """Every workload's rows, each printed as it is measured (and kept in
+    ``found``), each round's budget starting from the estimates ``start``."""
     loaded = models["no drafts"]
     rows: list[Row] = []
     for path in paths:
@@ -212,7 +218,7 @@ def bench_paths(
             shapes = shapes[:1] if args.batch_one == "only" else shapes[1:]
         for batch, subset in shapes:
             repeats = args.repeats if batch == 1 else args.batch_repeats
-            rounds = bench_workload(models, path.stem, subset, batch, repeats)
+            rounds = bench_workload(models, path.stem, subset, batch, repeats, start)
             rows.append((path.stem, batch, summarise(rounds)))
             print(table_lines(rows[-1:])[-1], flush=True)
             if args.rounds_json is not None:
@@ -284,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         seed = read_requests(seed_set(p.stem for p in paths), models["auto"], args.max_tokens)
         auto = EngineConfig(max_batch=args.batch, **CONFIGS["auto"])  # type: ignore[arg-type]
         list(Engine.from_loaded(models["auto"], auto).generate(seed[:SEED_LINES]))
-        rows = bench_paths(args, paths, models, found)
+        rows = bench_paths(args, paths, models, found, stored_estimates())
     tokens = (
         f"at most {args.max_tokens} tokens a line" if args.max_tokens else "each line's max_tokens"
     )

@@ -7,9 +7,11 @@ that let them be would have every auto run after the first start from what
 the one before it learnt on the very prompts it times. So a bench sets the
 caller's estimates aside (``estimates_set_aside``), has auto learn once on
 lines of a set it does not time (``seed_set``), and before every timed auto
-run puts the estimates back to what they were as its row began: each starts
-from what was learnt on other material, as a user's next job would. The caller's estimates come back
-when the bench ends, however it ends.
+run puts the estimates back to a snapshot of what was learnt on other
+material, as a user's next job would start: bench-budget's is taken once,
+after that learning; bench-cli's as each row begins, its set-up's earlier
+rows being other workloads. The caller's estimates come back when the
+bench ends, however it ends.
 """
 
 from __future__ import annotations

@@ -110,12 +110,15 @@ def test_configurations_take_turns_step_by_step_each_on_its_own_model(
     assert len(tail) <= 5
 
 
-def test_every_round_starts_from_the_estimates_its_row_began_with(
+def test_every_round_of_every_row_starts_from_the_estimates_it_is_given(
     calibration: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Two rows in turn, as a workload's batch-1 and batch-16 rows run: each
+    round starts from the seeded estimates, not from what the warm-ups, the
+    earlier rounds or the row before learnt on the same lines."""
     folder = calibration
     (folder / "k.acceptance.json").write_text("learnt on other sets")
-    began = stored_estimates()
+    seeded = stored_estimates()
     seen: list[dict[Path, bytes]] = []
 
     def warm_up(*args: Any) -> None:  # learns on the row's own first line
@@ -131,9 +134,9 @@ def test_every_round_starts_from_the_estimates_its_row_began_with(
     monkeypatch.setattr(budget, "step_by_step", one_round)
     models = cast(dict[str, LoadedModel], dict.fromkeys(budget.CONFIGS))
     requests = [Request("0", (1, 2), SamplingParams(max_tokens=1))]
-    rounds = bench_workload(models, "set", requests, 1, 3)
-    assert seen == [began] * 3
-    assert rounds["auto"] == [1.0] * 3
+    rows = [bench_workload(models, "set", requests, batch, 3, seeded) for batch in (1, 16)]
+    assert seen == [seeded] * 6
+    assert all(rounds["auto"] == [1.0] * 3 for rounds in rows)
 
 
 def test_the_readme_summary_spreads_each_batch_sizes_ratios_over_its_workloads() -> None:
