@@ -16,6 +16,12 @@ the run was faster without it. A mechanism earns its keep where removing it
 costs more than 2% on some row. The table goes to the ``bench-ablation``
 section of ``docs/benchmarks.md``, stamped. Timings are wall clock on a
 shared machine: read ratios, not absolute figures.
+
+Stored acceptance estimates, as ``budget.py``'s bench handles them
+(``estimates_store.py``): the caller's are set aside, auto learns once on
+lines of a set no row times (none when every seed set is timed), and every
+round of every row starts from what that left, so that no round resumes
+from what an earlier one learnt on its own prompts.
 """
 
 from __future__ import annotations
@@ -29,7 +35,16 @@ from pathlib import Path
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.bench.budget import read_requests, step_by_step, warm_up
 from metrale.engine.bench.docs_table import stamp, write_section
+from metrale.engine.bench.estimates_store import (
+    SEED_LINES,
+    SEEDS,
+    estimates_set_aside,
+    restore_estimates,
+    seed_set,
+    stored_estimates,
+)
 from metrale.engine.config import EngineConfig, RuntimeConfig
+from metrale.engine.engine import Engine
 from metrale.engine.load.loader import LoadedModel, load_model
 from metrale.engine.spec.budget import MECHANISMS
 
@@ -48,7 +63,10 @@ def bench_row(
     requests: Sequence[Request],
     batch: int,
     repeats: int,
+    start: dict[Path, bytes],
 ) -> Rounds:
+    """Tokens/s per configuration, round by round, every round starting from
+    the stored estimates ``start``; raises on any output difference."""
     configs = {
         key: EngineConfig(max_batch=batch, draft_policy="auto", budget_ablation=without)
         for key, without in ablations.items()
@@ -57,6 +75,7 @@ def bench_row(
         warm_up(models[key], configs[key], requests[0])
     rounds: Rounds = {key: [] for key in configs}
     for r in range(repeats):
+        restore_estimates(start)
         measured = step_by_step(models, configs, requests, batch == 1, r)
         expected = measured["auto"][1]
         for key, (seconds, outputs) in measured.items():
@@ -90,6 +109,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     columns = ["workload", "batch", "auto tok/s", *(f"without {m}" for m in mechanisms)]
     table = [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
     print("\n".join(table), flush=True)
+    with estimates_set_aside():
+        _ablate(args, paths, models, ablations, table)
+    settings = (
+        f"{args.repeats} rounds; at most {args.max_tokens} tokens a line; "
+        f"batch 1: the first {args.single} lines one at a time; "
+        f"batch {args.batch}: the first {args.batch} together. A cell: the whole budget's "
+        "tokens/s over the budget's without that mechanism, median over rounds."
+    )
+    write_section(args.docs, "bench-ablation", f"{stamp()}\n\n{settings}\n\n" + "\n".join(table))
+
+
+def _ablate(
+    args: argparse.Namespace,
+    paths: Sequence[Path],
+    models: dict[str, LoadedModel],
+    ablations: dict[str, tuple[str, ...]],
+    table: list[str],
+) -> None:
+    """Every row into ``table``, after the seeding run (module doc)."""
+    mechanisms = [key[1:] for key in ablations if key != "auto"]
+    timed = {p.stem for p in paths}
+    if any(s not in timed for s in SEEDS):
+        seed = read_requests(seed_set(timed), models["auto"], args.max_tokens)
+        seeding = EngineConfig(max_batch=args.batch, draft_policy="auto")
+        list(Engine.from_loaded(models["auto"], seeding).generate(seed[:SEED_LINES]))
+    start = stored_estimates()
     for path in paths:
         requests = [
             dataclasses.replace(r, params=SamplingParams(max_tokens=min(r.params.max_tokens, cap)))
@@ -98,18 +143,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         ]
         for batch in (int(b) for b in args.batches.split(",")):
             subset = requests[: args.single] if batch == 1 else requests[:batch]
-            rounds = bench_row(models, ablations, path.stem, subset, batch, args.repeats)
+            rounds = bench_row(models, ablations, path.stem, subset, batch, args.repeats, start)
             cells = [f"{paired(rounds, f'-{m}'):.3f}x" for m in mechanisms]
             auto = statistics.median(rounds["auto"])
             table.append(f"| {path.stem} | {batch} | {auto:.1f} | {' | '.join(cells)} |")
             print(table[-1], flush=True)
-    settings = (
-        f"{args.repeats} rounds; at most {args.max_tokens} tokens a line; "
-        f"batch 1: the first {args.single} lines one at a time; "
-        f"batch {args.batch}: the first {args.batch} together. A cell: the whole budget's "
-        "tokens/s over the budget's without that mechanism, median over rounds."
-    )
-    write_section(args.docs, "bench-ablation", f"{stamp()}\n\n{settings}\n\n" + "\n".join(table))
 
 
 if __name__ == "__main__":

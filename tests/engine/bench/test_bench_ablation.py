@@ -1,0 +1,44 @@
+"""The ablation bench (``engine/bench/ablation.py``): where its rounds start from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from metrale.engine.api import Request, SamplingParams
+from metrale.engine.bench import ablation
+from metrale.engine.bench.ablation import bench_row, configurations
+from metrale.engine.bench.estimates_store import stored_estimates
+from metrale.engine.load.loader import LoadedModel
+
+
+def test_every_round_of_every_row_starts_from_the_estimates_it_is_given(
+    calibration: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole budget and its ablations resume from the store as each
+    round starts: each round finds the seeded estimates, not what the
+    warm-ups, the rounds before it or the row before learnt."""
+    folder = calibration
+    (folder / "k.acceptance.json").write_text("learnt on other sets")
+    seeded = stored_estimates()
+    seen: list[dict[Path, bytes]] = []
+
+    def warm_up(*args: Any) -> None:  # learns on the row's own first line
+        (folder / "k.acceptance.json").write_text("learnt on the warm-up")
+
+    def one_round(models: Any, configs: Any, requests: Any, one: bool, round_: int) -> Any:
+        seen.append(stored_estimates())
+        (folder / "k.acceptance.json").write_text(f"learnt in round {round_}")
+        (folder / "new.acceptance.json").write_text("a key of its own")
+        return {key: (1.0, {"0": [1]}) for key in configs}
+
+    monkeypatch.setattr(ablation, "warm_up", warm_up)
+    monkeypatch.setattr(ablation, "step_by_step", one_round)
+    ablations = configurations(["rest"])
+    models = cast(dict[str, LoadedModel], dict.fromkeys(ablations))
+    requests = [Request("0", (1, 2), SamplingParams(max_tokens=1))]
+    rows = [bench_row(models, ablations, "set", requests, b, 2, seeded) for b in (1, 16)]
+    assert seen == [seeded] * 4
+    assert all(rounds["-rest"] == [1.0] * 2 for rounds in rows)
