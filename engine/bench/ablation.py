@@ -33,18 +33,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from metrale.engine.api import Request, SamplingParams
-from metrale.engine.bench.budget import read_requests, step_by_step, warm_up
+from metrale.engine.bench.budget import learn_seed, read_requests, step_by_step, warm_up
 from metrale.engine.bench.docs_table import stamp, write_section
 from metrale.engine.bench.estimates_store import (
-    SEED_LINES,
-    SEEDS,
     estimates_set_aside,
     restore_estimates,
-    seed_set,
     stored_estimates,
 )
 from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.engine import Engine
 from metrale.engine.load.loader import LoadedModel, load_model
 from metrale.engine.spec.budget import MECHANISMS
 
@@ -129,11 +125,7 @@ def _ablate(
 ) -> None:
     """Every row into ``table``, after the seeding run (module doc)."""
     mechanisms = [key[1:] for key in ablations if key != "auto"]
-    timed = {p.stem for p in paths}
-    if any(s not in timed for s in SEEDS):
-        seed = read_requests(seed_set(timed), models["auto"], args.max_tokens)
-        seeding = EngineConfig(max_batch=args.batch, draft_policy="auto")
-        list(Engine.from_loaded(models["auto"], seeding).generate(seed[:SEED_LINES]))
+    learn_seed(models["auto"], paths, args.batch, args.max_tokens)
     start = stored_estimates()
     for path in paths:
         requests = [

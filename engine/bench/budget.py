@@ -65,6 +65,7 @@ from metrale.engine.api import Request, Result, SamplingParams
 from metrale.engine.bench.docs_table import stamp, write_section
 from metrale.engine.bench.estimates_store import (
     SEED_LINES,
+    SEEDS,
     estimates_set_aside,
     restore_estimates,
     seed_set,
@@ -98,6 +99,20 @@ def read_requests(path: Path, loaded: LoadedModel, max_tokens: int | None) -> li
         tokens = max_tokens or int(body.get("max_tokens", 128))
         requests.append(Request(str(n), tuple(ids), SamplingParams(max_tokens=tokens)))
     return requests
+
+
+def learn_seed(
+    loaded: LoadedModel, timed: Sequence[Path], batch: int, max_tokens: int | None
+) -> None:
+    """One auto run on the first ``SEED_LINES`` lines of the set the stored
+    estimates are learnt on (``seed_set``; none when every seed set is
+    among the ``timed`` ones)."""
+    stems = {p.stem for p in timed}
+    if all(s in stems for s in SEEDS):
+        return
+    seed = read_requests(seed_set(stems), loaded, max_tokens)
+    auto = EngineConfig(max_batch=batch, draft_policy="auto")
+    list(Engine.from_loaded(loaded, auto).generate(seed[:SEED_LINES]))
 
 
 def warm_up(loaded: LoadedModel, config: EngineConfig, request: Request) -> None:
@@ -287,9 +302,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     models = {key: load_model(args.model, runtime) for key in CONFIGS}
     print("\n".join(table_lines([])))
     with estimates_set_aside():
-        seed = read_requests(seed_set(p.stem for p in paths), models["auto"], args.max_tokens)
-        auto = EngineConfig(max_batch=args.batch, **CONFIGS["auto"])  # type: ignore[arg-type]
-        list(Engine.from_loaded(models["auto"], auto).generate(seed[:SEED_LINES]))
+        learn_seed(models["auto"], paths, args.batch, args.max_tokens)
         rows = bench_paths(args, paths, models, found, stored_estimates())
     tokens = (
         f"at most {args.max_tokens} tokens a line" if args.max_tokens else "each line's max_tokens"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import pytest
 
@@ -12,6 +12,7 @@ from metrale.engine.bench import ablation
 from metrale.engine.bench.ablation import bench_row, configurations
 from metrale.engine.bench.estimates_store import stored_estimates
 from metrale.engine.load.loader import LoadedModel
+from tests.support.learning_rounds import LearningRounds
 
 
 def test_every_round_of_every_row_starts_from_the_estimates_it_is_given(
@@ -23,22 +24,12 @@ def test_every_round_of_every_row_starts_from_the_estimates_it_is_given(
     folder = calibration
     (folder / "k.acceptance.json").write_text("learnt on other sets")
     seeded = stored_estimates()
-    seen: list[dict[Path, bytes]] = []
-
-    def warm_up(*args: Any) -> None:  # learns on the row's own first line
-        (folder / "k.acceptance.json").write_text("learnt on the warm-up")
-
-    def one_round(models: Any, configs: Any, requests: Any, one: bool, round_: int) -> Any:
-        seen.append(stored_estimates())
-        (folder / "k.acceptance.json").write_text(f"learnt in round {round_}")
-        (folder / "new.acceptance.json").write_text("a key of its own")
-        return {key: (1.0, {"0": [1]}) for key in configs}
-
-    monkeypatch.setattr(ablation, "warm_up", warm_up)
-    monkeypatch.setattr(ablation, "step_by_step", one_round)
+    fake = LearningRounds(folder)
+    monkeypatch.setattr(ablation, "warm_up", fake.warm_up)
+    monkeypatch.setattr(ablation, "step_by_step", fake.step_by_step)
     ablations = configurations(["rest"])
     models = cast(dict[str, LoadedModel], dict.fromkeys(ablations))
     requests = [Request("0", (1, 2), SamplingParams(max_tokens=1))]
     rows = [bench_row(models, ablations, "set", requests, b, 2, seeded) for b in (1, 16)]
-    assert seen == [seeded] * 4
+    assert fake.seen == [seeded] * 4
     assert all(rounds["-rest"] == [1.0] * 2 for rounds in rows)

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import cast
 
 import pytest
 
@@ -25,6 +25,7 @@ from metrale.engine.config import EngineConfig
 from metrale.engine.load.loader import LoadedModel
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
 from tests.support.fake_model import FakeModel, FakeMtp, byte_decode, reference_greedy
+from tests.support.learning_rounds import LearningRounds
 
 
 def test_the_paired_ratio_is_the_median_of_the_ratios_within_each_round() -> None:
@@ -119,23 +120,13 @@ def test_every_round_of_every_row_starts_from_the_estimates_it_is_given(
     folder = calibration
     (folder / "k.acceptance.json").write_text("learnt on other sets")
     seeded = stored_estimates()
-    seen: list[dict[Path, bytes]] = []
-
-    def warm_up(*args: Any) -> None:  # learns on the row's own first line
-        (folder / "k.acceptance.json").write_text("learnt on the warm-up")
-
-    def one_round(models: Any, configs: Any, requests: Any, one: bool, round_: int) -> Any:
-        seen.append(stored_estimates())
-        (folder / "k.acceptance.json").write_text(f"learnt in round {round_}")
-        (folder / "new.acceptance.json").write_text("a key of its own")
-        return {key: (1.0, {"0": [1]}) for key in configs}
-
-    monkeypatch.setattr(budget, "warm_up", warm_up)
-    monkeypatch.setattr(budget, "step_by_step", one_round)
+    fake = LearningRounds(folder)
+    monkeypatch.setattr(budget, "warm_up", fake.warm_up)
+    monkeypatch.setattr(budget, "step_by_step", fake.step_by_step)
     models = cast(dict[str, LoadedModel], dict.fromkeys(budget.CONFIGS))
     requests = [Request("0", (1, 2), SamplingParams(max_tokens=1))]
     rows = [bench_workload(models, "set", requests, batch, 3, seeded) for batch in (1, 16)]
-    assert seen == [seeded] * 6
+    assert fake.seen == [seeded] * 6
     assert all(rounds["auto"] == [1.0] * 3 for rounds in rows)
 
 
