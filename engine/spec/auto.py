@@ -29,6 +29,10 @@ holds its verified rows; the head takes them all, in order, when it drafts
 for it again (``ChainRest.wants_chain``). The drain: once the stream has
 ended and nothing waits, a sequence that would finish before the slowest
 one even without drafts verifies no MTP draft (``sequences_ahead``).
+Quiet steps: with copies off for the batch and no chain able to pay
+(``ChainRest.chain_may_pay``), every chain rests unpriced until ``HOLD_MAX``
+rows wait; a step where no sequence has a draft plans only its sure rows
+(``DraftBudget.plan_sure``).
 Whether a sequence drafts depends only on what was emitted before the step,
 never on a draw, so sampled output stays exact.
 """
@@ -188,6 +192,7 @@ class AutoPolicy:
         self._chain_cap = ladder.longest
         self._offers: list[Offer] = []
         self._ahead: set[int] = set()  # slots of the sequences ahead in a drain, this step
+        self._quiet = False  # this step, every chain rests (``take_drafts``)
         self._released = 0  # held rows fed to the head this step
         self._snapshot: BudgetStats | None = None
         self._published = 0.0
@@ -210,6 +215,16 @@ class AutoPolicy:
         return min(self._chain_cap, seq.draft_capacity())
 
     def take_drafts(self, batch: list[SeqState], queues: Queues) -> list[CopyTaken]:
+        copies_on = self.lookup is not None and len(batch) <= self.lookup.max_seqs
+        # Quiet: no chain may start while none could pay at this batch's costs.
+        quiet = not copies_on and "rest" not in self.without
+        self._quiet = quiet and not self.rest.chain_may_pay(queues.running())
+        if not copies_on and not any(seq.pending_drafts for seq in batch):
+            # No sequence has a draft to offer: the plan is the sure rows.
+            self._offers = []
+            sure = sum(1 + len(forced_of(seq)) for seq in batch)
+            self.budget.plan_sure(sure, len(batch))
+            return []
         ahead = self._drain(batch, queues)
         took, self._offers = take_planned_drafts(
             batch, self.budget, self.lookup, self.shared, ahead
@@ -250,8 +265,10 @@ class AutoPolicy:
 
     def before_head(self, batch: Sequence[SeqState], queues: Queues) -> None:
         """Chooses the chains worth this step's head forward together."""
-        self._ahead = self._drain(batch, queues)
         self._released = 0
+        if self._quiet:
+            return
+        self._ahead = self._drain(batch, queues)
         seqs = [s for s in batch if not s.finished and s.slot not in self._ahead]
         if "share_head" not in self.without:
             self.rest.share_head(seqs, queues.running())
@@ -268,7 +285,11 @@ class AutoPolicy:
         does one whose rows another request waits to copy."""
         rest = self.rest
         waited = seq.waited_on > 0  # another request copies these rows
-        if not waited and not rest.wants_chain(seq, running, seq.slot in self._ahead):
+        if self._quiet:
+            wanted = waited or rest.holds_enough(seq)
+        else:
+            wanted = waited or rest.wants_chain(seq, running, seq.slot in self._ahead)
+        if not wanted:
             rest.hold(seq, start, next_ids, rows)
             return None
         self._released += rest.held_rows(seq)

@@ -232,10 +232,7 @@ class DraftBudget:
             sources.append(names)
         sure = sum(c.sure_rows for c in candidates)
         plan = best_plan(sure, float(sure), options, self.costs.step_s)
-        self._plan = plan
-        self.planned += 1
-        self.rate_s = plan.rate
-        self.marginal_s = self.marginal(plan.rows, len(candidates))
+        self._made(plan, len(candidates))
         for c, opts, names, choice in zip(candidates, options, sources, plan.choices, strict=True):
             if names and names[0] == "mtp":
                 worth = chain_worth(opts, choice, plan, self.costs.step_s)
@@ -249,6 +246,21 @@ class DraftBudget:
                 self._chosen[names[o]][n] += 1
                 picked.append((names[o], n))
         return picked
+
+    def plan_sure(self, sure_rows: int, seqs: int) -> None:
+        """``plan`` for a step where none of the ``seqs`` sequences has a
+        draft to offer: each verifies its sure rows (``sure_rows`` in all),
+        and the run's prices move as that plan would move them."""
+        seconds = self.costs.step_s(sure_rows)
+        self._made(Plan(((-1, 0),) * seqs, sure_rows, float(sure_rows), seconds), seqs)
+        self._none += seqs
+
+    def _made(self, plan: Plan, seqs: int) -> None:
+        """Keeps ``plan`` as the step's, and the rate it prices rows at."""
+        self._plan = plan
+        self.planned += 1
+        self.rate_s = plan.rate
+        self.marginal_s = self.marginal(plan.rows, seqs)
 
     def _value_chain(self, seq: SeqState, value: float, live: int) -> None:
         """Follows what the chain adds a step (``chain_worth``), from what it

@@ -290,6 +290,17 @@ class ChainRest:
         own.explore_every = min(2 * every, EXPLORE_MAX)
         return True
 
+    def holds_enough(self, seq: SeqState) -> bool:
+        """``wants_chain`` while no chain could pay and copies are off
+        (``AutoPolicy``'s quiet steps): only once ``HOLD_MAX`` rows wait.
+        Neither shares nor looks are priced."""
+        own = self.for_seq(seq)
+        own.since_chain += 1
+        if own.held_rows() < HOLD_MAX:
+            return False
+        own.since_chain = 0
+        return True
+
     def _scout_turn(self) -> bool:
         """Takes this step's one turn for a scout or a dear look, if still free."""
         if self._scouted == self.budget.planned:

@@ -19,6 +19,7 @@ from metrale.engine.spec.auto import AutoPolicy
 from metrale.engine.spec.copies import settle_copies
 from metrale.engine.spec.cost import CostCache, CostModel
 from metrale.engine.spec.mtp import DraftFeed
+from metrale.engine.spec.rest import HOLD_MAX
 from metrale.engine.step import Queues, StepTimes
 from metrale.lookup import LookupStats, PromptLookupConfig
 from tests.support.fake_model import FakeClock
@@ -185,6 +186,55 @@ def test_in_a_drain_a_sequence_ahead_rests_whatever_its_chain_is_worth() -> None
         # Both chains are worth the head; once the stream has ended, the
         # sequence that finishes first anyway verifies no draft and rests.
         assert sorted(fed) == ([1] if ends else [0, 1])
+
+
+def costs_a_token_a_row_at_sixteen() -> CostModel:
+    """One or two rows at about the same cost (10 and 11 ms); from 16 rows
+    on, every row costs what a 16-row step costs per token: no chain could
+    pay there (``rest.chain_margin``). A head forward: 0.5 ms for one
+    sequence, 1 ms for 16."""
+    costs = CostModel(FakeClock())
+    for rows, seconds in ((1, 0.010), (2, 0.011), (16, 0.048), (32, 0.096)):
+        costs.verify.observe(rows, seconds)
+    costs.head.observe(1, 0.0005)
+    costs.head.observe(16, 0.001)
+    return costs
+
+
+def test_above_max_seqs_no_chain_drafts_where_none_could_pay_until_the_batch_thins() -> None:
+    policy = policy_on(costs_a_token_a_row_at_sixteen())  # no lookup: copies off
+    alone = decoding(0, max_tokens=1000)
+    for _ in range(3):  # alone, its chain is worth the head forward every step
+        assert list(head_step(policy, [alone], Queues(decoding=[alone]))) == [0]
+    # Fifteen join: a row costs a token. The chain valued alone no longer
+    # drafts, nor do the new ones; each holds its rows.
+    batch = [alone, *(decoding(slot, max_tokens=1000) for slot in range(1, 16))]
+    for _ in range(20):
+        assert head_step(policy, batch, Queues(decoding=batch)) == {}
+    # Alone again, it drafts at once, the 20 held rows before this step's.
+    fed = head_step(policy, [alone], Queues(decoding=[alone]))
+    assert list(fed) == [0] and len(fed[0].next_ids) == 21
+
+
+def test_without_the_rest_every_chain_drafts_even_where_none_could_pay() -> None:
+    # The ablation of the rest (``budget.MECHANISMS``) turns quiet steps off too.
+    policy = policy_on(costs_a_token_a_row_at_sixteen(), without=("rest",))
+    batch = [decoding(slot, max_tokens=1000) for slot in range(16)]
+    for _ in range(3):
+        assert sorted(head_step(policy, batch, Queues(decoding=batch))) == list(range(16))
+
+
+def test_above_max_seqs_where_no_chain_could_pay_a_full_hold_is_fed() -> None:
+    policy = policy_on(costs_a_token_a_row_at_sixteen())
+    batch = [decoding(slot, max_tokens=1000) for slot in range(16)]
+    queues = Queues(decoding=batch)
+    fed: dict[int, DraftFeed] = {}
+    steps = 0
+    while not fed and steps <= HOLD_MAX:
+        fed, steps = head_step(policy, batch, queues), steps + 1
+    # Each holds one row a step; once HOLD_MAX wait, the head takes them all.
+    assert steps == HOLD_MAX + 1 and sorted(fed) == list(range(16))
+    assert {len(feed.next_ids) for feed in fed.values()} == {HOLD_MAX + 1}
 
 
 def test_resting_chains_look_in_the_same_head_forward() -> None:

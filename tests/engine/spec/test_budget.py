@@ -18,8 +18,11 @@ from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine
 from metrale.engine.load.loader import load_model
 from metrale.engine.prompts import user_prompt_ids
+from metrale.engine.sequence import SeqState
 from metrale.engine.spec.budget import (
     MECHANISMS,
+    Candidates,
+    DraftBudget,
     chain_worth,
     first_draft_shares,
     first_draft_worth,
@@ -107,6 +110,35 @@ def test_a_chain_not_valued_yet_is_priced_by_its_first_drafts_confidence() -> No
     expected = 0.5 * (rates.rate(("mtp", 0, 5)) - 0.25)
     assert first_draft_worth(rates, row, shares) == pytest.approx(expected)
     assert first_draft_worth(rates, row, shares) == pytest.approx(0.5 * (0.9 - 0.25), abs=0.02)
+
+
+def test_a_step_with_nothing_to_offer_moves_the_prices_as_its_plan_would() -> None:
+    # ``plan_sure`` stands for a plan of candidates with neither a chain nor
+    # a copy: three sequences, one with two forced drafts (5 sure rows).
+    costs = CostModel(FakeClock())
+    for rows, seconds in ((4, 0.020), (8, 0.025)):
+        costs.verify.observe(rows, seconds)
+    planned, sure = DraftBudget(costs), DraftBudget(costs)
+    seqs = [
+        SeqState(Request(str(i), (1, 2), SamplingParams()), i, 64, frozenset(), None, None)
+        for i in range(3)
+    ]
+    sure_rows = [3, 1, 1]
+    assert (
+        planned.plan([Candidates(s, r, [], []) for s, r in zip(seqs, sure_rows, strict=True)])
+        == [("none", 0)] * 3
+    )
+    sure.plan_sure(5, 3)
+    assert sure.rate_s == pytest.approx(5 / costs.step_s(5))
+    for budget in (planned, sure):
+        budget.end_step(0.030, 0.020)
+    assert (sure.rate_s, sure.marginal_s, sure.planned) == (
+        planned.rate_s,
+        planned.marginal_s,
+        planned.planned,
+    )
+    assert sure.snapshot() == planned.snapshot()
+    assert sure.snapshot().no_drafts == 3 and sure.snapshot().steps == 1
 
 
 # -- the engine on costed fakes ---------------------------------------------------
