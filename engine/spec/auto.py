@@ -52,6 +52,7 @@ from metrale.engine.spec.budget import Candidates, DraftBudget
 from metrale.engine.spec.constrained import forced_of
 from metrale.engine.spec.copies import (
     CopyTaken,
+    copies_on,
     copy_path_cap,
     lookup_of,
     propose_copy,
@@ -94,7 +95,7 @@ def take_planned_drafts(
     """Sets each sequence's drafts to the plan's choice (module doc); the
     sequences whose slots are in ``ahead`` get no MTP draft. Runs after
     ``take_forced`` and before ``check_drafts``."""
-    copies_on = cfg is not None and len(batch) <= cfg.max_seqs
+    copying = copies_on(cfg, len(batch))
     path_cap = copy_path_cap(cfg, len(batch)) if cfg is not None else 0
     candidates: list[Candidates] = []
     for seq in batch:
@@ -108,7 +109,7 @@ def take_planned_drafts(
         copy = None
         if seq.slot in ahead:
             chain = []
-        if copies_on and cfg is not None:
+        if copying and cfg is not None:
             copy = propose_copy(seq, cfg, shared, path_cap, 0, longest=True)
         sure = 1 + len(forced)
         lookup = lookup_of(seq)
@@ -215,11 +216,10 @@ class AutoPolicy:
         return min(self._chain_cap, seq.draft_capacity())
 
     def take_drafts(self, batch: list[SeqState], queues: Queues) -> list[CopyTaken]:
-        copies_on = self.lookup is not None and len(batch) <= self.lookup.max_seqs
+        copying = copies_on(self.lookup, len(batch))
         # Quiet: no chain may start while none could pay at this batch's costs.
-        quiet = not copies_on and "rest" not in self.without
-        self._quiet = quiet and not self.rest.chain_may_pay(queues.running())
-        if not copies_on and not any(seq.pending_drafts for seq in batch):
+        self._quiet = not copying and not self.rest.chain_may_pay(queues.running())
+        if not copying and not any(seq.pending_drafts for seq in batch):
             # No sequence has a draft to offer: the plan is the sure rows.
             self._offers = []
             sure = sum(1 + len(forced_of(seq)) for seq in batch)
@@ -266,9 +266,9 @@ class AutoPolicy:
     def before_head(self, batch: Sequence[SeqState], queues: Queues) -> None:
         """Chooses the chains worth this step's head forward together."""
         self._released = 0
+        self._ahead = set() if self._quiet else self._drain(batch, queues)
         if self._quiet:
             return
-        self._ahead = self._drain(batch, queues)
         seqs = [s for s in batch if not s.finished and s.slot not in self._ahead]
         if "share_head" not in self.without:
             self.rest.share_head(seqs, queues.running())
@@ -285,11 +285,8 @@ class AutoPolicy:
         does one whose rows another request waits to copy."""
         rest = self.rest
         waited = seq.waited_on > 0  # another request copies these rows
-        if self._quiet:
-            wanted = waited or rest.holds_enough(seq)
-        else:
-            wanted = waited or rest.wants_chain(seq, running, seq.slot in self._ahead)
-        if not wanted:
+        ahead = seq.slot in self._ahead
+        if not waited and not rest.wants_chain(seq, running, ahead, quiet=self._quiet):
             rest.hold(seq, start, next_ids, rows)
             return None
         self._released += rest.held_rows(seq)

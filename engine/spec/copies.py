@@ -121,7 +121,7 @@ def take_rounds_with_copies(
     A no-op when prompt lookup is off or more sequences run than
     ``cfg.max_seqs``.
     """
-    if cfg is None or len(seqs) > cfg.max_seqs:
+    if cfg is None or not copies_on(cfg, len(seqs)):
         return []
     path_cap = copy_path_cap(cfg, len(seqs))
     took: list[CopyTaken] = []
@@ -138,6 +138,12 @@ def take_rounds_with_copies(
         seq.set_drafts(copy)
         took.append(CopyTaken(seq, seq.seq_len + len(forced_of(seq))))
     return took
+
+
+def copies_on(cfg: PromptLookupConfig | None, running: int) -> bool:
+    """Whether a verify of ``running`` sequences takes copies: lookup is on
+    and no more than ``cfg.max_seqs`` run."""
+    return cfg is not None and running <= cfg.max_seqs
 
 
 def copy_path_cap(cfg: PromptLookupConfig, running: int) -> int:

@@ -220,7 +220,9 @@ class ChainRest:
 
     # -- rest and looks -----------------------------------------------------------
 
-    def wants_chain(self, seq: SeqState, live: int, ahead: bool = False) -> bool:
+    def wants_chain(
+        self, seq: SeqState, live: int, ahead: bool = False, quiet: bool = False
+    ) -> bool:
         """Whether the head drafts for ``seq`` after this verify: while the
         chain is among those worth the head forward together (``share_head``,
         or ``_joins`` for a sequence it did not price), on a look, or when
@@ -249,7 +251,11 @@ class ChainRest:
         be a head forward, held prompt and all, for nothing. Looks resume as
         soon as the costs allow, as a batch thins out, unless the sequence is
         too near its end. Nor does a chain worth its share start while it
-        holds rows that it could not repay."""
+        holds rows that it could not repay.
+
+        ``quiet`` (``AutoPolicy``'s quiet steps: copies off and no chain
+        able to pay): no share is priced and no look made; the chain drafts
+        only once ``HOLD_MAX`` rows wait."""
         budget, own = self.budget, self.for_seq(seq)
         if ahead and own.held_rows() < HOLD_MAX:
             return False
@@ -259,7 +265,9 @@ class ChainRest:
         live = max(live, 1)
         value = budget.for_seq(seq).chain_value
         valued = value is not None
-        if own.shared_at == self._shares:
+        if quiet:
+            worth = False
+        elif own.shared_at == self._shares:
             worth = own.shared  # held rows it could not repay: left out there
         else:
             if value is None:
@@ -272,7 +280,7 @@ class ChainRest:
         if own.held_rows() >= HOLD_MAX:
             own.since_chain = 0
             return True
-        if "looks" in budget.without or not self.look_may_pay(seq, live):
+        if quiet or "looks" in budget.without or not self.look_may_pay(seq, live):
             return False
         if not valued:
             if budget.planned % self._scout_every or not self._scout_turn():
@@ -288,17 +296,6 @@ class ChainRest:
         # A look that finds the chain still not worth it looks half as often.
         own.since_chain = 0
         own.explore_every = min(2 * every, EXPLORE_MAX)
-        return True
-
-    def holds_enough(self, seq: SeqState) -> bool:
-        """``wants_chain`` while no chain could pay and copies are off
-        (``AutoPolicy``'s quiet steps): only once ``HOLD_MAX`` rows wait.
-        Neither shares nor looks are priced."""
-        own = self.for_seq(seq)
-        own.since_chain += 1
-        if own.held_rows() < HOLD_MAX:
-            return False
-        own.since_chain = 0
         return True
 
     def _scout_turn(self) -> bool:
