@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from metrale.engine.bench.estimates_store import stored_estimates
 
 
@@ -27,3 +29,16 @@ class LearningRounds:
         (self.folder / "k.acceptance.json").write_text(f"learnt in round {round_}")
         (self.folder / "new.acceptance.json").write_text("a key of its own")
         return {key: (1.0, {"0": [1]}) for key in configs}
+
+
+def seeded_rounds(
+    folder: Path, bench: Any, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[Path, bytes], LearningRounds]:
+    """Estimates in the calibration ``folder`` as a seeding run leaves them
+    (learnt on other sets), and the ``bench`` module's warm-up and round
+    faked by a ``LearningRounds``; returns that snapshot and the fake."""
+    (folder / "k.acceptance.json").write_text("learnt on other sets")
+    fake = LearningRounds(folder)
+    monkeypatch.setattr(bench, "warm_up", fake.warm_up)
+    monkeypatch.setattr(bench, "step_by_step", fake.step_by_step)
+    return stored_estimates(), fake

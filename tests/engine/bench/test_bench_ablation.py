@@ -10,9 +10,8 @@ import pytest
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.bench import ablation
 from metrale.engine.bench.ablation import bench_row, configurations
-from metrale.engine.bench.estimates_store import stored_estimates
 from metrale.engine.load.loader import LoadedModel
-from tests.support.learning_rounds import LearningRounds
+from tests.support.learning_rounds import seeded_rounds
 
 
 def test_every_round_of_every_row_starts_from_the_estimates_it_is_given(
@@ -21,12 +20,7 @@ def test_every_round_of_every_row_starts_from_the_estimates_it_is_given(
     """The whole budget and its ablations resume from the store as each
     round starts: each round finds the seeded estimates, not what the
     warm-ups, the rounds before it or the row before learnt."""
-    folder = calibration
-    (folder / "k.acceptance.json").write_text("learnt on other sets")
-    seeded = stored_estimates()
-    fake = LearningRounds(folder)
-    monkeypatch.setattr(ablation, "warm_up", fake.warm_up)
-    monkeypatch.setattr(ablation, "step_by_step", fake.step_by_step)
+    seeded, fake = seeded_rounds(calibration, ablation, monkeypatch)
     ablations = configurations(["rest"])
     models = cast(dict[str, LoadedModel], dict.fromkeys(ablations))
     requests = [Request("0", (1, 2), SamplingParams(max_tokens=1))]

@@ -20,12 +20,11 @@ from metrale.engine.bench.budget import (
     step_by_step,
     summarise,
 )
-from metrale.engine.bench.estimates_store import stored_estimates
 from metrale.engine.config import EngineConfig
 from metrale.engine.load.loader import LoadedModel
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
 from tests.support.fake_model import FakeModel, FakeMtp, byte_decode, reference_greedy
-from tests.support.learning_rounds import LearningRounds
+from tests.support.learning_rounds import seeded_rounds
 
 
 def test_the_paired_ratio_is_the_median_of_the_ratios_within_each_round() -> None:
@@ -117,12 +116,7 @@ def test_every_round_of_every_row_starts_from_the_estimates_it_is_given(
     """Two rows in turn, as a workload's batch-1 and batch-16 rows run: each
     round starts from the seeded estimates, not from what the warm-ups, the
     earlier rounds or the row before learnt on the same lines."""
-    folder = calibration
-    (folder / "k.acceptance.json").write_text("learnt on other sets")
-    seeded = stored_estimates()
-    fake = LearningRounds(folder)
-    monkeypatch.setattr(budget, "warm_up", fake.warm_up)
-    monkeypatch.setattr(budget, "step_by_step", fake.step_by_step)
+    seeded, fake = seeded_rounds(calibration, budget, monkeypatch)
     models = cast(dict[str, LoadedModel], dict.fromkeys(budget.CONFIGS))
     requests = [Request("0", (1, 2), SamplingParams(max_tokens=1))]
     rows = [bench_workload(models, "set", requests, batch, 3, seeded) for batch in (1, 16)]
