@@ -19,15 +19,8 @@ a short run's process time is mostly start-up, whose spread would
 otherwise decide its row. Before the first row at a batch size, each configuration runs once
 untimed on one line, as a user's earlier runs would have: kernels built, the
 budget's calibration stored in ``METRALE_HOME``, the weights in the page
-cache.
-
-The budget's stored acceptance estimates are handled as
-``engine/bench/estimates_store.py`` says: the caller's set aside while the
-bench runs, auto learning once on ``SEED_LINES`` lines of a set no row times
-at each batch size, and the estimates put back, before every auto run of a
-row, to what they were as the row began: learnt on other material, as a
-user's next job would find them. ``METRALE_*`` option variables of the caller's environment are dropped,
-so each configuration is exactly its flags.
+cache. ``METRALE_*`` option variables of the caller's environment are
+dropped, so each configuration is exactly its flags.
 
 Per row it prints each configuration's median process seconds and median
 tokens/s of generation (``tokens_per_s`` of its ``--stats-json``, whose clock
@@ -60,13 +53,6 @@ from pathlib import Path
 from typing import Any
 
 from metrale.engine.bench.docs_table import stamp, write_section
-from metrale.engine.bench.estimates_store import (
-    SEED_LINES,
-    estimates_set_aside,
-    restore_estimates,
-    seed_set,
-    stored_estimates,
-)
 
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = ("short_answers", "log_summaries", "chat_tasks", "code_gen")
@@ -91,10 +77,7 @@ lasts seconds and what the budget spends finding its feet weighs most. Greedy,
 outputs checked identical. Each round runs every configuration once, the order
 rotated by one each round, after one untimed run of each; a row runs more
 rounds until each configuration ran a minute in all (its "rounds" column),
-since a short run's process time is mostly start-up. The budget starts a run
-from the acceptance estimates its last run ended with; every auto run of a
-row starts from those learnt on the rows before (first: 8 lines of a set
-timed nowhere, `math_steps`), never from its own row's prompts. A configuration's
+since a short run's process time is mostly start-up. A configuration's
 cell: median seconds of the process, then median tokens/s of generation as
 its `--stats-json` reports it (clock started after loading). "auto / best
 fixed" is the ratio of median tokens per process-second against the fixed
@@ -227,16 +210,13 @@ def run_once(argv: list[str], work: Path) -> tuple[Run, dict[str, str]]:
 @dataclass(frozen=True)
 class Job:
     """What every process of a row shares: the command up to the flags of a
-    configuration (input file and ``--max-batch`` included), a scratch folder,
-    and the stored estimates each auto run starts from (module doc)."""
+    configuration (input file and ``--max-batch`` included) and a scratch
+    folder."""
 
     argv: list[str]
     work: Path
-    estimates: dict[Path, bytes] | None = None
 
     def run(self, key: str) -> tuple[Run, dict[str, str]]:
-        if key == "auto" and self.estimates is not None:
-            restore_estimates(self.estimates)
         return run_once([*self.argv, *CONFIGS[key]], self.work)
 
 
@@ -315,23 +295,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def warm_up(base: list[str], line: dict[str, Any], batch: int, work: Path, seed: Path) -> None:
-    """One untimed run of each configuration on ``line``, 4 tokens, then
-    auto's on the first ``SEED_LINES`` lines of ``seed`` (module doc)."""
+def warm_up(base: list[str], line: dict[str, Any], batch: int, work: Path) -> None:
+    """One untimed run of each configuration on ``line``, 4 tokens (module doc)."""
     inputs = work / "warm-up.jsonl"
     inputs.write_text(json.dumps(capped(line, 4)) + "\n")
     for key in CONFIGS:
         Job([*base, str(inputs), "--max-batch", str(batch)], work).run(key)
-    seeds = work / "seed.jsonl"
-    seeds.write_text("".join(json.dumps(x) + "\n" for x in read_lines(seed, SEED_LINES, None)))
-    Job([*base, str(seeds), "--max-batch", str(batch)], work).run("auto")
 
 
 def run_rows(
     args: argparse.Namespace,
     paths: Sequence[Path],
     base: list[str],
-    seed: Path,
     rows: list[tuple[str, int, Summary]],
     found: dict[str, dict[str, list[dict[str, Any]]]],
 ) -> None:
@@ -345,9 +320,9 @@ def run_rows(
             inputs.write_text("".join(json.dumps(line) + "\n" for line in lines))
             for batch in args.batches:
                 if args.warm_up and batch not in warmed:
-                    warm_up(base, lines[0], batch, work, seed)
+                    warm_up(base, lines[0], batch, work)
                     warmed.add(batch)
-                job = Job([*base, str(inputs), "--max-batch", str(batch)], work, stored_estimates())
+                job = Job([*base, str(inputs), "--max-batch", str(batch)], work)
                 rounds = Rounds(args.rounds, args.max_rounds, args.min_seconds)
                 runs = bench_row(job, f"{path.stem}, batch {batch}", rounds)
                 rows.append((path.stem, batch, summarise(runs)))
@@ -367,9 +342,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows: list[tuple[str, int, Summary]] = []
     found: dict[str, dict[str, list[dict[str, Any]]]] = {}
     print("\n".join(table_lines([])), flush=True)
-    seed = seed_set(path.stem for path in paths)
-    with estimates_set_aside():  # learnt afresh, on the seed lines first (module doc)
-        run_rows(args, paths, base, seed, rows, found)
+    run_rows(args, paths, base, rows, found)
     tokens = f"{args.max_tokens} tokens" if args.max_tokens else "each line's max_tokens"
     settings = (
         f"At least {args.rounds} rounds a row, more until each configuration ran "

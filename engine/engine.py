@@ -219,7 +219,7 @@ class Engine:
 
     def _run(self, stream: Iterator[Request | None]) -> Iterator[list[Result]]:
         queues = self._queues
-        queues.stream_done = queues.ended_on_its_own = False
+        queues.stream_done = False
         while True:
             # Pull only what the free slots can take this step, so a huge
             # stream is read as it is consumed.
@@ -311,7 +311,6 @@ class Engine:
         for seq in finished:
             if seq in self._queues.decoding:
                 self._queues.decoding.remove(seq)
-            self._queues.ended_on_its_own |= seq.finish_reason == "stop"
             self._free_slots.append(seq.slot)
             self._feed_ended(seq)
             if self._shared is not None and seq.scope is not None and seq.error is None:

@@ -12,9 +12,9 @@ import torch
 @pytest.fixture(scope="session", autouse=True)
 def session_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """``$METRALE_HOME`` for the whole session, child processes included: a
-    fresh folder, so the draft budget's stored costs and estimates
-    (``calibration/``) start empty and never reach the user's home, where an
-    earlier run's estimates would steer this run's tests. Its ``kernels`` and
+    fresh folder, so the draft budget's stored costs (``calibration/``) start
+    empty and never reach the user's home, where an earlier run's costs
+    would steer this run's tests. Its ``kernels`` and
     ``models`` are the real home's, linked: a kernel build and the default
     model's conversion are the same whoever made them, and slow to redo. A
     test that needs a home of its own still sets the variable itself."""
@@ -28,16 +28,6 @@ def session_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("METRALE_HOME", str(home))
         yield home
-
-
-@pytest.fixture
-def calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A ``$METRALE_HOME`` of the test's own; its ``calibration/`` folder,
-    made empty, where the draft budget stores its costs and estimates."""
-    monkeypatch.setenv("METRALE_HOME", str(tmp_path))
-    folder = tmp_path / "calibration"
-    folder.mkdir()
-    return folder
 
 
 @pytest.fixture(scope="module")

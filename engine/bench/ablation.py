@@ -16,12 +16,6 @@ the run was faster without it. A mechanism earns its keep where removing it
 costs more than 2% on some row. The table goes to the ``bench-ablation``
 section of ``docs/benchmarks.md``, stamped. Timings are wall clock on a
 shared machine: read ratios, not absolute figures.
-
-Stored acceptance estimates, as ``budget.py``'s bench handles them
-(``estimates_store.py``): the caller's are set aside, auto learns once on
-lines of a set no row times (none when every seed set is timed), and every
-round of every row starts from what that left, so that no round resumes
-from what an earlier one learnt on its own prompts.
 """
 
 from __future__ import annotations
@@ -33,13 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from metrale.engine.api import Request, SamplingParams
-from metrale.engine.bench.budget import learn_seed, read_requests, step_by_step, warm_up
+from metrale.engine.bench.budget import read_requests, step_by_step, warm_up
 from metrale.engine.bench.docs_table import stamp, write_section
-from metrale.engine.bench.estimates_store import (
-    estimates_set_aside,
-    restore_estimates,
-    stored_estimates,
-)
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.load.loader import LoadedModel, load_model
 from metrale.engine.spec.budget import MECHANISMS
@@ -59,10 +48,9 @@ def bench_row(
     requests: Sequence[Request],
     batch: int,
     repeats: int,
-    start: dict[Path, bytes],
 ) -> Rounds:
-    """Tokens/s per configuration, round by round, every round starting from
-    the stored estimates ``start``; raises on any output difference."""
+    """Tokens/s per configuration, round by round; raises on any output
+    difference."""
     configs = {
         key: EngineConfig(max_batch=batch, draft_policy="auto", budget_ablation=without)
         for key, without in ablations.items()
@@ -71,7 +59,6 @@ def bench_row(
         warm_up(models[key], configs[key], requests[0])
     rounds: Rounds = {key: [] for key in configs}
     for r in range(repeats):
-        restore_estimates(start)
         measured = step_by_step(models, configs, requests, batch == 1, r)
         expected = measured["auto"][1]
         for key, (seconds, outputs) in measured.items():
@@ -105,8 +92,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     columns = ["workload", "batch", "auto tok/s", *(f"without {m}" for m in mechanisms)]
     table = [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
     print("\n".join(table), flush=True)
-    with estimates_set_aside():
-        _ablate(args, paths, models, ablations, table)
+    _ablate(args, paths, models, ablations, table)
     settings = (
         f"{args.repeats} rounds; at most {args.max_tokens} tokens a line; "
         f"batch 1: the first {args.single} lines one at a time; "
@@ -123,10 +109,8 @@ def _ablate(
     ablations: dict[str, tuple[str, ...]],
     table: list[str],
 ) -> None:
-    """Every row into ``table``, after the seeding run (module doc)."""
+    """Every row into ``table``, each printed as it is measured."""
     mechanisms = [key[1:] for key in ablations if key != "auto"]
-    learn_seed(models["auto"], paths, args.batch, args.max_tokens)
-    start = stored_estimates()
     for path in paths:
         requests = [
             dataclasses.replace(r, params=SamplingParams(max_tokens=min(r.params.max_tokens, cap)))
@@ -135,7 +119,7 @@ def _ablate(
         ]
         for batch in (int(b) for b in args.batches.split(",")):
             subset = requests[: args.single] if batch == 1 else requests[:batch]
-            rounds = bench_row(models, ablations, path.stem, subset, batch, args.repeats, start)
+            rounds = bench_row(models, ablations, path.stem, subset, batch, args.repeats)
             cells = [f"{paired(rounds, f'-{m}'):.3f}x" for m in mechanisms]
             auto = statistics.median(rounds["auto"])
             table.append(f"| {path.stem} | {batch} | {auto:.1f} | {' | '.join(cells)} |")

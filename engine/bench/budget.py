@@ -40,12 +40,7 @@ highest ratio to the best fixed choice over the workloads, and how many
 rows are at 0.97x and 1.1x or above (``readme_summary``). Outputs are
 greedy and compared token for token with the no-drafts run; a difference is
 an error. The budget's calibration is taken (or read from ``METRALE_HOME``)
-before anything is timed. Its stored acceptance estimates are handled as
-``estimates_store.py`` says: learnt first on lines of a set no row times,
-and put back before every round of every row to what that learning left,
-so that no round's budget starts from what an earlier round, warm-up or
-row learnt (a workload's batch-16 row from its own batch-1 lines, say).
-All timed sets share one stored set-up, as every model here has
+before anything is timed; all timed sets share it, as every model here has
 ``--batch`` slots. Timings are wall clock on a shared machine: read
 ratios, not absolute figures. No assertion is made: this prints figures.
 """
@@ -63,14 +58,6 @@ from pathlib import Path
 
 from metrale.engine.api import Request, Result, SamplingParams
 from metrale.engine.bench.docs_table import stamp, write_section
-from metrale.engine.bench.estimates_store import (
-    SEED_LINES,
-    SEEDS,
-    estimates_set_aside,
-    restore_estimates,
-    seed_set,
-    stored_estimates,
-)
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine
 from metrale.engine.load.loader import LoadedModel, load_model
@@ -99,20 +86,6 @@ def read_requests(path: Path, loaded: LoadedModel, max_tokens: int | None) -> li
         tokens = max_tokens or int(body.get("max_tokens", 128))
         requests.append(Request(str(n), tuple(ids), SamplingParams(max_tokens=tokens)))
     return requests
-
-
-def learn_seed(
-    loaded: LoadedModel, timed: Sequence[Path], batch: int, max_tokens: int | None
-) -> None:
-    """One auto run on the first ``SEED_LINES`` lines of the set the stored
-    estimates are learnt on (``seed_set``; none when every seed set is
-    among the ``timed`` ones)."""
-    stems = {p.stem for p in timed}
-    if all(s in stems for s in SEEDS):
-        return
-    seed = read_requests(seed_set(stems), loaded, max_tokens)
-    auto = EngineConfig(max_batch=batch, draft_policy="auto")
-    list(Engine.from_loaded(loaded, auto).generate(seed[:SEED_LINES]))
 
 
 def warm_up(loaded: LoadedModel, config: EngineConfig, request: Request) -> None:
@@ -169,11 +142,9 @@ def bench_workload(
     requests: Sequence[Request],
     batch: int,
     repeats: int,
-    start: dict[Path, bytes],
 ) -> dict[str, list[float]]:
-    """Tokens/s per configuration, round by round, every round's budget
-    starting from the stored estimates ``start`` (``stored_estimates``);
-    raises on any output difference."""
+    """Tokens/s per configuration, round by round; raises on any output
+    difference."""
     configs = {k: EngineConfig(max_batch=batch, **v) for k, v in CONFIGS.items()}  # type: ignore[arg-type]
     expected: dict[str, Outputs] = {}
 
@@ -186,7 +157,6 @@ def bench_workload(
         warm_up(models[key], configs[key], requests[0])
     by_round = []
     for r in range(repeats):
-        restore_estimates(start)
         by_round.append(step_by_step(models, configs, requests, batch == 1, r))
     return {key: [rate(key, *measured[key]) for measured in by_round] for key in configs}
 
@@ -220,10 +190,9 @@ def bench_paths(
     paths: Sequence[Path],
     models: dict[str, LoadedModel],
     found: dict[str, dict[str, list[float]]],
-    start: dict[Path, bytes],
 ) -> list[Row]:
     """Every workload's rows, each printed as it is measured (and kept in
-    ``found``), each round's budget starting from the estimates ``start``."""
+    ``found``)."""
     loaded = models["no drafts"]
     rows: list[Row] = []
     for path in paths:
@@ -233,7 +202,7 @@ def bench_paths(
             shapes = shapes[:1] if args.batch_one == "only" else shapes[1:]
         for batch, subset in shapes:
             repeats = args.repeats if batch == 1 else args.batch_repeats
-            rounds = bench_workload(models, path.stem, subset, batch, repeats, start)
+            rounds = bench_workload(models, path.stem, subset, batch, repeats)
             rows.append((path.stem, batch, summarise(rounds)))
             print(table_lines(rows[-1:])[-1], flush=True)
             if args.rounds_json is not None:
@@ -301,9 +270,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     runtime = RuntimeConfig(num_slots=args.batch)
     models = {key: load_model(args.model, runtime) for key in CONFIGS}
     print("\n".join(table_lines([])))
-    with estimates_set_aside():
-        learn_seed(models["auto"], paths, args.batch, args.max_tokens)
-        rows = bench_paths(args, paths, models, found, stored_estimates())
+    rows = bench_paths(args, paths, models, found)
     tokens = (
         f"at most {args.max_tokens} tokens a line" if args.max_tokens else "each line's max_tokens"
     )

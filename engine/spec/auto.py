@@ -26,9 +26,7 @@ the plan prices each copy by its agreement instead.
 
 The head: a sequence whose chain is not worth the head forward rests and
 holds its verified rows; the head takes them all, in order, when it drafts
-for it again (``ChainRest.wants_chain``). The drain: once the stream has
-ended and nothing waits, a sequence that would finish before the slowest
-one even without drafts verifies no MTP draft (``sequences_ahead``).
+for it again (``ChainRest.wants_chain``).
 Quiet steps: with copies off for the batch and no chain able to pay
 (``ChainRest.chain_may_pay``), every chain rests unpriced until ``HOLD_MAX``
 rows wait; a step where no sequence has a draft plans only its sure rows
@@ -60,7 +58,7 @@ from metrale.engine.spec.copies import (
 from metrale.engine.spec.cost import CostModel, calibrate_model
 from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 from metrale.engine.spec.policy import Feed
-from metrale.engine.spec.rest import HOLD_MAX, ChainRest, tokens_left
+from metrale.engine.spec.rest import HOLD_MAX, ChainRest
 from metrale.engine.stats import BudgetStats
 from metrale.lookup import PromptLookupConfig, SharedLookup
 
@@ -90,11 +88,9 @@ def take_planned_drafts(
     budget: DraftBudget,
     cfg: PromptLookupConfig | None,
     shared: SharedLookup | None,
-    ahead: set[int] | frozenset[int] = frozenset(),
 ) -> tuple[list[CopyTaken], list[Offer]]:
-    """Sets each sequence's drafts to the plan's choice (module doc); the
-    sequences whose slots are in ``ahead`` get no MTP draft. Runs after
-    ``take_forced`` and before ``check_drafts``."""
+    """Sets each sequence's drafts to the plan's choice (module doc). Runs
+    after ``take_forced`` and before ``check_drafts``."""
     copying = copies_on(cfg, len(batch))
     path_cap = copy_path_cap(cfg, len(batch)) if cfg is not None else 0
     candidates: list[Candidates] = []
@@ -107,8 +103,6 @@ def take_planned_drafts(
         own.chain_keys = own.chain_keys[offset : offset + len(seq.pending_drafts)]
         chain = list(seq.pending_drafts[: len(own.chain_keys)])
         copy = None
-        if seq.slot in ahead:
-            chain = []
         if copying and cfg is not None:
             copy = propose_copy(seq, cfg, shared, path_cap, 0, longest=True)
         sure = 1 + len(forced)
@@ -133,24 +127,6 @@ def take_planned_drafts(
             seq.set_drafts(c.chain[:n])
         offers.append(Offer(seq, source, n, c.chain, c.copy, c.agreement))
     return took, offers
-
-
-def sequences_ahead(decoding: Sequence[SeqState], prefilling: Sequence[SeqState]) -> set[int]:
-    """The slots of the ``decoding`` sequences that would finish before the
-    slowest one, ``prefilling`` ones included, without another draft (module
-    doc: the drain): those whose tokens left are fewer than the steps the
-    slowest still needs (its tokens left over the tokens a verify has made it
-    so far); none while a single sequence is left."""
-    seqs = [*decoding, *prefilling]
-    if len(seqs) < 2:
-        return set()
-    slowest = max(tokens_left(s) / max(_tokens_a_verify(s), 1.0) for s in seqs)
-    return {s.slot for s in decoding if tokens_left(s) < slowest}
-
-
-def _tokens_a_verify(seq: SeqState) -> float:
-    stats = seq.stats
-    return stats.verify_tokens / stats.verifies if stats.verifies else 1.0
 
 
 def score_offers(
@@ -192,12 +168,10 @@ class AutoPolicy:
         # Any chain may be as long as the ladder's longest: the plan cuts it.
         self._chain_cap = ladder.longest
         self._offers: list[Offer] = []
-        self._ahead: set[int] = set()  # slots of the sequences ahead in a drain, this step
         self._quiet = False  # this step, every chain rests (``take_drafts``)
         self._released = 0  # held rows fed to the head this step
         self._snapshot: BudgetStats | None = None
         self._published = 0.0
-        self._resumed = False  # started from the stored estimates (``calibrate``)
 
     @property
     def costs(self) -> CostModel:
@@ -225,10 +199,7 @@ class AutoPolicy:
             sure = sum(1 + len(forced_of(seq)) for seq in batch)
             self.budget.plan_sure(sure, len(batch))
             return []
-        ahead = self._drain(batch, queues)
-        took, self._offers = take_planned_drafts(
-            batch, self.budget, self.lookup, self.shared, ahead
-        )
+        took, self._offers = take_planned_drafts(batch, self.budget, self.lookup, self.shared)
         return took
 
     def verified(self, times: StepTimes) -> None:
@@ -254,9 +225,8 @@ class AutoPolicy:
             # Every sequence admitted shares the steps to come, those whose
             # prompts are still being read too.
             live = queues.running() + len(queues.prefilling)
-            ahead = complete and seq.slot in self._drain([*queues.decoding, seq], queues)
             waited = seq.waited_on > 0  # another request copies these rows
-            if not waited and (not complete or not rest.wants_chain(seq, max(live, 1), ahead)):
+            if not waited and (not complete or not rest.wants_chain(seq, max(live, 1))):
                 rest.hold(seq, start, next_ids, rows)
                 return None
             start, next_ids, rows = rest.release(seq, start, next_ids, rows)
@@ -266,10 +236,9 @@ class AutoPolicy:
     def before_head(self, batch: Sequence[SeqState], queues: Queues) -> None:
         """Chooses the chains worth this step's head forward together."""
         self._released = 0
-        self._ahead = set() if self._quiet else self._drain(batch, queues)
         if self._quiet:
             return
-        seqs = [s for s in batch if not s.finished and s.slot not in self._ahead]
+        seqs = [s for s in batch if not s.finished]
         if "share_head" not in self.without:
             self.rest.share_head(seqs, queues.running())
 
@@ -285,8 +254,7 @@ class AutoPolicy:
         does one whose rows another request waits to copy."""
         rest = self.rest
         waited = seq.waited_on > 0  # another request copies these rows
-        ahead = seq.slot in self._ahead
-        if not waited and not rest.wants_chain(seq, running, ahead, quiet=self._quiet):
+        if not waited and not rest.wants_chain(seq, running, quiet=self._quiet):
             rest.hold(seq, start, next_ids, rows)
             return None
         self._released += rest.held_rows(seq)
@@ -313,19 +281,12 @@ class AutoPolicy:
             self.budget.end_step(measured, times.verify_s, times.head_s)
 
     def calibrate(self, model: Any, drafter: MtpDrafter | None, slots: int, max_len: int) -> None:
-        """The costs from the cache or measured, and, before the first run,
-        the estimates an earlier run on this set-up ended with (``estimates.py``)."""
+        """The costs, from the cache or measured."""
         if not self.costs.calibrated:
             calibrate_model(self.costs, model, drafter, slots, max_len)
-        cache = self.costs.cache
-        if cache is not None and not self._resumed and "resume" not in self.without:
-            self.budget.rates.start_from(cache.load_acceptance())
-        self._resumed = True
 
     def save(self) -> None:
         self.costs.save()
-        if self.costs.cache is not None:
-            self.costs.cache.store_acceptance(self.budget.rates.estimates())
 
     def ended(self, seq: SeqState) -> Feed | None:
         """The prompt rows a resting chain held, fed (``DraftPolicy.ended``):
@@ -342,10 +303,3 @@ class AutoPolicy:
         if final or self._snapshot is None or now - self._published >= PUBLISH_EVERY_S:
             self._snapshot, self._published = self.budget.snapshot(), now
         return self._snapshot
-
-    def _drain(self, batch: Sequence[SeqState], queues: Queues) -> set[int]:
-        """The slots of the sequences that draft nothing this step: in a
-        drain, those ahead of the run's slowest (``sequences_ahead``)."""
-        if not queues.draining() or "drain" in self.without:
-            return set()
-        return sequences_ahead([s for s in batch if not s.finished], queues.prefilling)

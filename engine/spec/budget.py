@@ -68,24 +68,16 @@ from metrale.engine.stats import BudgetStats
 # The mechanisms an ablation may turn off (``DraftBudget(without=...)``):
 # rest: a chain that does not pay rests and holds its rows (else every chain
 #   drafts every step);
-# looks: a resting chain looks and scouts again (else it restarts only when
-#   it pays its share, or once HOLD_MAX rows wait);
 # share_head: the chains of a step are priced together against the head
 #   forward they share (else each against a forward of its own);
-# drain: in a drain, the sequences ahead draft no MTP chain;
 # deeper: the chain stops where a draft does not pay its row (else it runs to
 #   its cap and the plan alone cuts it);
 # confidence: an MTP draft is priced by its confidence bin (else its depth);
 # agreement: a copy is priced by its agreement bin (else its position);
-# resume: a run starts from the estimates the last run on its set-up ended
-#   with (``estimates.py``; else from the prior).
 MECHANISMS = frozenset(
     {
-        "resume",
         "rest",
-        "looks",
         "share_head",
-        "drain",
         "deeper",
         "confidence",
         "agreement",
@@ -156,7 +148,7 @@ class DraftBudget:
         self._none = 0
         self._predicted_s = self._measured_s = 0.0
         self._steps = 0
-        self.planned = 0  # plans made: the clock the rest's looks keep (``rest.py``)
+        self.planned = 0  # plans made
         self._plan: Plan | None = None
 
     def for_seq(self, seq: SeqState) -> SeqBudget:

@@ -45,9 +45,7 @@ Contract:
   and thread count, so a later run on the same set-up starts from it, and a
   run with another thread count or dtype does not reuse it. A run stores its
   costs again as it ends (``save``), so a calibration taken on a busy moment
-  heals. Beside it the cache keeps the draft budget's acceptance estimates
-  as a run ended (``store_acceptance``, ``load_acceptance``), which the next
-  run starts from (``estimates.py``).
+  heals.
 """
 
 from __future__ import annotations
@@ -69,7 +67,6 @@ import torch
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.runtime.model import Segment
 from metrale.engine.sequence import SeqState
-from metrale.engine.spec.estimates import Key, key_text, text_key
 from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 
 # How far a new measurement moves its bucket's estimate, and the most a
@@ -356,10 +353,6 @@ class Calibration:
     held_row_s: float | None = None
 
 
-# The acceptance estimates' file beside a calibration's (``CostCache``).
-ACCEPTANCE_SUFFIX = ".acceptance.json"
-
-
 class CostCache:
     """A calibration on disk: ``<home>/calibration/<hash of key>.json``, which
     also holds the key itself, checked on reading (module doc)."""
@@ -386,32 +379,6 @@ class CostCache:
             )
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
-
-    def load_acceptance(self) -> dict[Key, float]:
-        """The acceptance estimates stored for this key; none where the file is
-        missing, unreadable, of another key, or an entry is no estimate."""
-        try:
-            data = json.loads(self._acceptance_path.read_text())
-        except (OSError, ValueError):
-            return {}
-        if not isinstance(data, dict) or data.get("key") != self.key:
-            return {}
-        stored = data.get("acceptance")
-        out: dict[Key, float] = {}
-        for text, p in stored.items() if isinstance(stored, dict) else ():
-            key = text_key(str(text))
-            if key is not None and isinstance(p, (int, float)) and 0.0 <= p <= 1.0:
-                out[key] = float(p)
-        return out
-
-    def store_acceptance(self, estimates: Mapping[Key, float]) -> None:
-        """Writes atomically, as ``store``."""
-        data = {"key": self.key, "acceptance": {key_text(k): p for k, p in estimates.items()}}
-        _write(self._acceptance_path, data)
-
-    @property
-    def _acceptance_path(self) -> Path:
-        return self.path.with_name(self.path.stem + ACCEPTANCE_SUFFIX)
 
     def store(self, costs: Calibration) -> None:
         """Writes atomically; a home that cannot be written is left alone

@@ -9,19 +9,12 @@ module's own top probability). ``Rates`` keeps decayed (accepted, seen)
 counts per key, each over its parent's estimate (``_parent``: a bin from its
 position or depth, a position from the one before it), so what one key has
 seen informs those not seen yet. Positions and depths count from 1 and 0.
-
-A run may start from where an earlier run on the same set-up ended
-(``start_from``, ``estimates``; stored beside the costs, ``cost.py``): a key
-the earlier run estimated starts from that figure instead of its parent's,
-held as firmly as any starting point (``strength`` drafts), so the run's own
-drafts overrule it within a few. A short run then need not spend its first
-verifies learning what the model's head and the copies are worth.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 Key = tuple[object, ...]
 
@@ -60,31 +53,19 @@ def _parent(key: Key) -> Key | None:
 
 class Rates:
     """Decayed (accepted, seen) counts per key, each over its parent's estimate
-    or the figure the run started it from (module doc)."""
+    (module doc)."""
 
     def __init__(self, decay: float, strength: float) -> None:
         self.decay, self.strength = decay, strength
         self._counts: dict[Key, tuple[float, float]] = {}
-        self._start: dict[Key, float] = {}
         # Moves whenever a rate may: a figure derived from these keeps till it does.
         self.observed = 0
 
     def rate(self, key: Key) -> float:
         accepted, seen = self._counts.get(key, (0.0, 0.0))
-        base = self._start.get(key)
-        if base is None:
-            parent = _parent(key)
-            base = self.rate(parent) if parent is not None else FIRST_PRIOR
+        parent = _parent(key)
+        base = self.rate(parent) if parent is not None else FIRST_PRIOR
         return (accepted + self.strength * base) / (seen + self.strength)
-
-    def start_from(self, estimates: Mapping[Key, float]) -> None:
-        """Starts each key of ``estimates`` from its figure (module doc)."""
-        self._start = {key: min(max(p, 0.0), 1.0) for key, p in estimates.items()}
-        self.observed += 1
-
-    def estimates(self) -> dict[Key, float]:
-        """Every key's rate that this run observed or started from."""
-        return {key: self.rate(key) for key in self._counts.keys() | self._start.keys()}
 
     def counts(self, key: Key) -> tuple[float, float]:
         """The decayed (accepted, seen) counts of ``key`` itself."""
@@ -94,22 +75,6 @@ class Rates:
         old_accepted, old_seen = self._counts.get(key, (0.0, 0.0))
         self._counts[key] = (old_accepted * self.decay + accepted, old_seen * self.decay + 1.0)
         self.observed += 1
-
-
-def key_text(key: Key) -> str:
-    """A key as stored: ``"copy/1/3"``, ``"mtp/0"``."""
-    return "/".join(str(part) for part in key)
-
-
-def text_key(text: str) -> Key | None:
-    """The key ``key_text`` wrote, or None for text that is no key."""
-    source, *numbers = text.split("/")
-    if source not in ("copy", "mtp") or not 1 <= len(numbers) <= 2:
-        return None
-    try:
-        return (source, *(int(n) for n in numbers))
-    except ValueError:
-        return None
 
 
 def copy_key(position: int, agreement: int = 0) -> Key:

@@ -13,14 +13,14 @@ only reads it, and keeps each sequence's place in the head's schedule.
 
 The shared head: the head forward after a verify drafts for the chains worth
 it together (``share_head``: a forward costs little more for many sequences
-than for one). The looks: a resting chain looks again now and then, on a
-doubling spacing shared by the batch, so that a chain that starts to pay
-again is seen to (``wants_chain``); a chain never valued scouts, one a look.
-No look is made that could not repay the head's time over the rows it holds
-before the sequence ends (``look_may_pay``).
+than for one). A resting chain starts again when it is worth its share, as
+the estimates it is priced by move (the other chains' drafts and the copies
+score the run's rates), or once ``HOLD_MAX`` rows wait; never while the
+rows it holds are more than it could repay before the sequence ends
+(``repays_held``).
 
 What pays is decided by pure functions of the costs and estimates
-(``chain_margin``, ``look_may_pay``, ``chains_sharing``, ``joins``);
+(``chain_margin``, ``repays_held``, ``chains_sharing``, ``joins``);
 ``ChainRest`` keeps the state they are asked about.
 """
 
@@ -42,11 +42,7 @@ FORWARDS_ALPHA = 0.2
 # A chain not among those worth a head forward together (``share_head``,
 # ``wants_chain``) rests, holding its rows (its prompt's too, when it rests
 # from the start); the head is fed them all in one forward when it drafts
-# again: on a look, about every ``EXPLORE_EVERY`` steps (to learn whether the
-# chain pays again; twice as far apart after each look that finds it does
-# not, up to ``EXPLORE_MAX``), or once ``HOLD_MAX`` rows wait.
-EXPLORE_EVERY = 8
-EXPLORE_MAX = 64
+# again, at the latest once ``HOLD_MAX`` rows wait.
 HOLD_MAX = 512
 
 
@@ -65,8 +61,6 @@ class SeqRest:
     # and whether its chain was among those chosen there.
     shared_at: int = -1
     shared: bool = False
-    since_chain: int = 0  # steps since the chain last drafted
-    explore_every: int = EXPLORE_EVERY  # steps between looks while it rests
     held: list[tuple[int, list[int], torch.Tensor]] = field(default_factory=list)
     _held_count: int = 0  # rows in ``held``: asked several times a step by every sequence
 
@@ -113,8 +107,6 @@ class ChainRest:
         self._shares = 0
         self._sharing = 0
         self.forwards = 1.0  # head forwards a step whose chains ran, decayed
-        self._scout_every = EXPLORE_EVERY  # steps between looks of chains not valued
-        self._scouted = -1  # the plan count of the last such look, or of a dear one
         # ``chain_margin``'s last answer, by live count and the versions of
         # what it reads: every resting sequence of a batch asks it every step.
         self._margin: tuple[object, tuple[float, float]] | None = None
@@ -144,7 +136,7 @@ class ChainRest:
         own = self._seqs.get(seq)
         return None if own is None else own.release_below(seq.prompt_len)
 
-    # -- what a look could pay --------------------------------------------------
+    # -- what a chain could pay -------------------------------------------------
 
     def chain_may_pay(self, live: int) -> bool:
         """Whether any chain could pay at these costs (``chain_margin`` > 0)."""
@@ -159,11 +151,11 @@ class ChainRest:
             self._margin = key, chain_margin(costs, rates, live)
         return self._margin[1]
 
-    def look_may_pay(self, seq: SeqState, live: int) -> bool:
-        """``look_may_pay`` for ``seq``'s resting chain and the rows it holds."""
+    def repays_held(self, seq: SeqState, live: int) -> bool:
+        """``repays_held`` for ``seq``'s resting chain and the rows it holds."""
         margin, rate = self.chain_margin(live)
         held = self.for_seq(seq).held_rows()
-        return look_may_pay(margin, rate, tokens_left(seq), held, self.budget.costs.held_row_s())
+        return repays_held(margin, rate, tokens_left(seq), held, self.budget.costs.held_row_s())
 
     # -- the shared head ----------------------------------------------------------
 
@@ -174,14 +166,14 @@ class ChainRest:
         furthest above the time of the head's forwards feeding ``k``, in
         tokens at the current rate (as many forwards as a step whose chains
         ran has lately taken, ``head_ran``: a chain that goes deeper runs
-        one more); ``wants_chain`` starts those chains. ``sequences``:
-        those that may draft (not ahead in a drain); a sequence whose held rows
-        its chain could not repay (``look_may_pay``) is left out. A sequence
-        this choice did not price (its prompt completes before its first
-        verify) joins where its value pays what its feed adds to the
-        forward (``_joins``). The forward is priced as if only the chosen
-        chains fed it: looks and scouts that will share it are not known
-        yet, so a chain may be left out whose feed would have cost less.
+        one more); ``wants_chain`` starts those chains. A sequence whose
+        held rows its chain could not repay (``repays_held``) is left out.
+        A sequence this choice did not price (its prompt completes before
+        its first verify) joins where its value pays what its feed adds to
+        the forward (``_joins``). The forward is priced as if only the
+        chosen chains fed it: chains fed because ``HOLD_MAX`` rows wait are
+        not known yet, so a chain may be left out whose feed would have
+        cost less.
 
         A head forward costs little more for many sequences than for one, so
         whether a chain pays its share depends on how many others run
@@ -194,7 +186,7 @@ class ChainRest:
         for seq in sequences:
             own = self.for_seq(seq)
             own.shared_at, own.shared = self._shares, False
-            if own.held_rows() and not self.look_may_pay(seq, live):
+            if own.held_rows() and not self.repays_held(seq, live):
                 continue
             value = budget.for_seq(seq).chain_value
             if value is None:
@@ -218,98 +210,34 @@ class ChainRest:
         if forwards:
             self.forwards += FORWARDS_ALPHA * (forwards - self.forwards)
 
-    # -- rest and looks -----------------------------------------------------------
+    # -- rest -------------------------------------------------------------------
 
-    def wants_chain(
-        self, seq: SeqState, live: int, ahead: bool = False, quiet: bool = False
-    ) -> bool:
+    def wants_chain(self, seq: SeqState, live: int, quiet: bool = False) -> bool:
         """Whether the head drafts for ``seq`` after this verify: while the
         chain is among those worth the head forward together (``share_head``,
-        or ``_joins`` for a sequence it did not price), on a look, or when
-        ``HOLD_MAX`` rows wait.
+        or ``_joins`` for a sequence it did not price), and not holding rows
+        it could not repay (``repays_held``), or when ``HOLD_MAX`` rows wait.
         (Further positions of the chain pay their own forwards,
         ``DraftBudget.deeper``.)
 
-        Looks: a resting chain looks on the first step, half its spacing or
-        more after it stopped, whose plan count is a multiple of that spacing
-        (``EXPLORE_EVERY``, doubled after each look that found the chain not
-        worth it). Spacings are powers of two, so the looks of a batch fall
-        in one head forward rather than one each. A chain never valued (it
-        has not run: ``predicted_value`` stands for it) looks as a scout:
-        one such sequence a look, on the run's own doubling spacing, so that
-        a first batch where drafts do not pay learns the chain's acceptance
-        without feeding the head every prompt. A look whose held rows cost
-        the head more than a forward of its own takes a scout's turn too,
-        one a step: sharing a forward saves such looks little, and one look
-        tells the run what 16 would. A sequence ``ahead`` in a
-        drain (``auto.sequences_ahead``) verifies no MTP draft, so its chain
-        rests without looks until ``HOLD_MAX`` rows wait.
-
-        No look and no scout is made while it could not pay for the head's
-        time over the rows the chain holds (``look_may_pay``): where a
-        verify row costs about a token's share of the step, every look would
-        be a head forward, held prompt and all, for nothing. Looks resume as
-        soon as the costs allow, as a batch thins out, unless the sequence is
-        too near its end. Nor does a chain worth its share start while it
-        holds rows that it could not repay.
-
         ``quiet`` (``AutoPolicy``'s quiet steps: copies off and no chain
-        able to pay): no share is priced and no look made; the chain drafts
-        only once ``HOLD_MAX`` rows wait."""
+        able to pay): no share is priced; the chain drafts only once
+        ``HOLD_MAX`` rows wait."""
         budget, own = self.budget, self.for_seq(seq)
-        if ahead and own.held_rows() < HOLD_MAX:
-            return False
         if "rest" in budget.without:
             return True
-        own.since_chain += 1
         live = max(live, 1)
-        value = budget.for_seq(seq).chain_value
-        valued = value is not None
         if quiet:
             worth = False
         elif own.shared_at == self._shares:
             worth = own.shared  # held rows it could not repay: left out there
         else:
+            value = budget.for_seq(seq).chain_value
             if value is None:
                 value = budget.predicted_value(seq, live)
             worth = self._joins(value, live)
-            worth = worth and (not own.held_rows() or self.look_may_pay(seq, live))
-        if worth:
-            own.since_chain, own.explore_every = 0, EXPLORE_EVERY
-            return True
-        if own.held_rows() >= HOLD_MAX:
-            own.since_chain = 0
-            return True
-        if quiet or "looks" in budget.without or not self.look_may_pay(seq, live):
-            return False
-        if not valued:
-            if budget.planned % self._scout_every or not self._scout_turn():
-                return False
-            self._scout_every = min(2 * self._scout_every, EXPLORE_MAX)
-            own.since_chain = 0
-            return True
-        every = own.explore_every
-        if 2 * own.since_chain < every or budget.planned % every:
-            return False
-        if self._feeds_more_than_a_forward(own) and not self._scout_turn():
-            return False  # a look that costs as a scout does waits for a scout's turn
-        # A look that finds the chain still not worth it looks half as often.
-        own.since_chain = 0
-        own.explore_every = min(2 * every, EXPLORE_MAX)
-        return True
-
-    def _scout_turn(self) -> bool:
-        """Takes this step's one turn for a scout or a dear look, if still free."""
-        if self._scouted == self.budget.planned:
-            return False
-        self._scouted = self.budget.planned
-        return True
-
-    def _feeds_more_than_a_forward(self, own: SeqRest) -> bool:
-        """Whether feeding the head the rows ``own`` holds costs more than
-        a head forward of its own (``wants_chain``: such looks go one a step)."""
-        costs = self.budget.costs
-        return own.held_rows() * costs.held_row_s() > costs.head.predict(1)
+            worth = worth and (not own.held_rows() or self.repays_held(seq, live))
+        return worth or own.held_rows() >= HOLD_MAX
 
 
 def chain_margin(costs: CostModel, rates: Rates, live: int) -> tuple[float, float]:
@@ -343,12 +271,12 @@ def chain_margin(costs: CostModel, rates: Rates, live: int) -> tuple[float, floa
     return worth - head, rate
 
 
-def look_may_pay(margin: float, rate: float, tokens: int, held: int, held_row_s: float) -> bool:
-    """Whether a look at a resting chain could pay for itself: the most the
-    chain could add a step (``margin``, in tokens, ``chain_margin``), over
-    the ``tokens`` the sequence has left to write (a step makes one at
-    least), against the head's time over the ``held`` rows the chain holds,
-    which the look feeds it, in tokens at ``rate`` (``held_row_s``:
+def repays_held(margin: float, rate: float, tokens: int, held: int, held_row_s: float) -> bool:
+    """Whether a resting chain that starts again could repay the rows it
+    holds: the most the chain could add a step (``margin``, in tokens,
+    ``chain_margin``), over the ``tokens`` the sequence has left to write (a
+    step makes one at least), against the head's time over the ``held``
+    rows, which its first feed gives it, in tokens at ``rate`` (``held_row_s``:
     ``CostModel.held_row_s``). Example, in time units: a margin of 0.8
     token at 0.1 token a unit and 0.5 unit a held row: 100 held rows cost
     5 tokens, repaid over 7 tokens left (5.6), not over 6 (4.8)."""

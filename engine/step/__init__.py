@@ -34,17 +34,10 @@ class Queues:
     prefilling: list[SeqState] = field(default_factory=list)
     decoding: list[SeqState] = field(default_factory=list)
     stream_done: bool = False  # the request stream has ended: nothing will join
-    ended_on_its_own: bool = False  # a sequence ended before its max_tokens
 
     def running(self) -> int:
         """Decoding sequences that have not finished."""
         return sum(1 for s in self.decoding if not s.finished)
-
-    def draining(self) -> bool:
-        """Whether the run ends when its slowest sequence does: the stream has
-        ended, nothing waits, and every sequence so far ran to ``max_tokens``
-        (once one ends on its own, tokens left say nothing of which ends last)."""
-        return self.stream_done and not self.waiting and not self.ended_on_its_own
 
 
 @dataclass

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from metrale.cli import bench_runs
 from metrale.cli.bench_runs import (
     CONFIGS,
     Rounds,
@@ -20,7 +19,6 @@ from metrale.cli.bench_runs import (
     summarise,
 )
 from metrale.engine.bench.docs_table import stamp, write_section
-from metrale.engine.bench.estimates_store import stored_estimates
 
 
 def runs(*seconds: float, tokens: int = 100) -> list[Run]:
@@ -186,25 +184,3 @@ def test_the_stamp_names_machine_date_and_commit() -> None:
     line = stamp()
     assert line.startswith("Machine: ") and "-core " in line
     assert " Date: " in line and " Commit: " in line and line.endswith(".")
-
-
-def test_the_bench_puts_the_callers_estimates_back_however_it_ends(
-    calibration: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    folder = calibration
-    (folder / "mine.acceptance.json").write_text("a user's run")
-    users = stored_estimates()
-    seen: list[dict[Path, bytes]] = []
-
-    def rows_that_fail(*args: Any) -> None:
-        seen.append(stored_estimates())
-        (folder / "bench.acceptance.json").write_text("learnt by the bench")
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(bench_runs, "run_rows", rows_that_fail)
-    workload = tmp_path / "set.jsonl"
-    workload.write_text('{"prompt": "hi"}\n')
-    with pytest.raises(KeyboardInterrupt):
-        bench_runs.main([str(workload), "--docs", str(tmp_path / "b.md")])
-    assert seen == [{}], "the rows start from no stored estimates"
-    assert stored_estimates() == users

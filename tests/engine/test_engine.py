@@ -249,7 +249,7 @@ def test_unsure_mtp_drafts_are_held_back_and_the_sequence_may_copy_instead() -> 
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
 def test_the_mtp_module_is_fed_every_verified_position_from_the_main_model(policy: str) -> None:
     # Under auto, CPU-like costs (a row a third of a step): chains rest,
-    # holding their rows, and look now and then, taking them all.
+    # holding their rows, and take them all when they draft again.
     clock = FakeClock()
     model = CostedModel(num_slots=8, clock=clock, cost=lambda rows: 0.010 + 0.003 * rows)
     mtp = CostedMtp(model, "mixed", cost=0.0005)

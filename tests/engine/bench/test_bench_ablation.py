@@ -1,8 +1,7 @@
-"""The ablation bench (``engine/bench/ablation.py``): where its rounds start from."""
+"""The ablation bench (``engine/bench/ablation.py``): a row's rounds."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import cast
 
 import pytest
@@ -11,19 +10,31 @@ from metrale.engine.api import Request, SamplingParams
 from metrale.engine.bench import ablation
 from metrale.engine.bench.ablation import bench_row, configurations
 from metrale.engine.load.loader import LoadedModel
-from tests.support.learning_rounds import seeded_rounds
 
 
-def test_every_round_of_every_row_starts_from_the_estimates_it_is_given(
-    calibration: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_row_rates_every_round_and_stops_on_an_output_difference(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The whole budget and its ablations resume from the store as each
-    round starts: each round finds the seeded estimates, not what the
-    warm-ups, the rounds before it or the row before learnt."""
-    seeded, fake = seeded_rounds(calibration, ablation, monkeypatch)
+    """Each round's tokens/s per configuration, from its seconds and tokens;
+    an ablation whose output differs from the whole budget's is an error."""
     ablations = configurations(["rest"])
+    assert ablations == {"auto": (), "-rest": ("rest",)}
+
+    def round_(models: object, configs: object, requests: object, one: bool, r: int) -> object:
+        out = {key: (float(r + 1), {"0": (1, 2)}) for key in ablations}
+        if r == 1 and changed:
+            out["-rest"] = (1.0, {"0": (1, 3)})
+        return out
+
+    monkeypatch.setattr(ablation, "warm_up", lambda *args: None)
+    monkeypatch.setattr(ablation, "step_by_step", round_)
     models = cast(dict[str, LoadedModel], dict.fromkeys(ablations))
-    requests = [Request("0", (1, 2), SamplingParams(max_tokens=1))]
-    rows = [bench_row(models, ablations, "set", requests, b, 2, seeded) for b in (1, 16)]
-    assert fake.seen == [seeded] * 4
-    assert all(rounds["-rest"] == [1.0] * 2 for rounds in rows)
+    requests = [Request("0", (1, 2), SamplingParams(max_tokens=2))]
+    changed = False
+    assert bench_row(models, ablations, "set", requests, 1, 2) == {
+        "auto": [2.0, 1.0],
+        "-rest": [2.0, 1.0],
+    }
+    changed = True
+    with pytest.raises(SystemExit, match="-rest changed the greedy output"):
+        bench_row(models, ablations, "set", requests, 16, 2)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
 
@@ -24,7 +23,6 @@ from metrale.engine.config import EngineConfig
 from metrale.engine.load.loader import LoadedModel
 from metrale.engine.runtime.model import ForwardOutput, LogitRows, Segment
 from tests.support.fake_model import FakeModel, FakeMtp, byte_decode, reference_greedy
-from tests.support.learning_rounds import seeded_rounds
 
 
 def test_the_paired_ratio_is_the_median_of_the_ratios_within_each_round() -> None:
@@ -110,18 +108,29 @@ def test_configurations_take_turns_step_by_step_each_on_its_own_model(
     assert len(tail) <= 5
 
 
-def test_every_round_of_every_row_starts_from_the_estimates_it_is_given(
-    calibration: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_row_rates_every_round_and_stops_on_an_output_difference(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Two rows in turn, as a workload's batch-1 and batch-16 rows run: each
-    round starts from the seeded estimates, not from what the warm-ups, the
-    earlier rounds or the row before learnt on the same lines."""
-    seeded, fake = seeded_rounds(calibration, budget, monkeypatch)
+    """Each round's tokens/s per configuration, from its seconds and tokens;
+    a configuration whose output differs from no drafts' is an error."""
+    outputs = {"0": (1, 2)}
+
+    def round_(models: object, configs: object, requests: object, one: bool, r: int) -> object:
+        out = {key: (float(r + 1), dict(outputs)) for key in budget.CONFIGS}
+        if r == 1 and changed:
+            out["auto"] = (1.0, {"0": (1, 3)})
+        return out
+
+    monkeypatch.setattr(budget, "warm_up", lambda *args: None)
+    monkeypatch.setattr(budget, "step_by_step", round_)
     models = cast(dict[str, LoadedModel], dict.fromkeys(budget.CONFIGS))
-    requests = [Request("0", (1, 2), SamplingParams(max_tokens=1))]
-    rows = [bench_workload(models, "set", requests, batch, 3, seeded) for batch in (1, 16)]
-    assert fake.seen == [seeded] * 6
-    assert all(rounds["auto"] == [1.0] * 3 for rounds in rows)
+    requests = [Request("0", (1, 2), SamplingParams(max_tokens=2))]
+    changed = False
+    rounds = bench_workload(models, "set", requests, 1, 3)
+    assert rounds == {key: [2.0, 1.0, 2 / 3] for key in budget.CONFIGS}
+    changed = True
+    with pytest.raises(SystemExit, match="auto changed the greedy output"):
+        bench_workload(models, "set", requests, 16, 3)
 
 
 def test_the_readme_summary_spreads_each_batch_sizes_ratios_over_its_workloads() -> None:

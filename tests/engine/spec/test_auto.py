@@ -2,12 +2,11 @@
 driven through its ``DraftPolicy`` methods only, as a step calls them, on
 costs set up front and a fake clock: the step's time accounted, the copies
 priced by their agreement, and the head's schedule (rest, shared forward,
-looks, drain)."""
+quiet steps)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from metrale.engine.config import MtpLadder
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.auto import AutoPolicy
 from metrale.engine.spec.copies import settle_copies
-from metrale.engine.spec.cost import CostCache, CostModel
+from metrale.engine.spec.cost import CostModel
 from metrale.engine.spec.mtp import DraftFeed
 from metrale.engine.spec.rest import HOLD_MAX
 from metrale.engine.step import Queues, StepTimes
@@ -173,21 +172,6 @@ def test_a_held_prompt_goes_to_the_head_only_where_its_chain_repays_it() -> None
     assert last_chunk_fed(6, 100) is None
 
 
-def test_in_a_drain_a_sequence_ahead_rests_whatever_its_chain_is_worth() -> None:
-    costs = CostModel(FakeClock())
-    for rows in (1, 2, 4):
-        costs.verify.observe(rows, 0.010 + 0.00001 * rows)  # rows nearly free
-    costs.head.observe(1, 0.0001)
-    for ends in (False, True):
-        policy = policy_on(costs)
-        short, long = decoding(0, max_tokens=8), decoding(1, max_tokens=40)
-        batch = [short, long]
-        fed = head_step(policy, batch, Queues(decoding=batch, stream_done=ends))
-        # Both chains are worth the head; once the stream has ended, the
-        # sequence that finishes first anyway verifies no draft and rests.
-        assert sorted(fed) == ([1] if ends else [0, 1])
-
-
 def costs_a_token_a_row_at_sixteen() -> CostModel:
     """One or two rows at about the same cost (10 and 11 ms); from 16 rows
     on, every row costs what a 16-row step costs per token: no chain could
@@ -237,64 +221,6 @@ def test_above_max_seqs_where_no_chain_could_pay_a_full_hold_is_fed() -> None:
     assert {len(feed.next_ids) for feed in fed.values()} == {HOLD_MAX + 1}
 
 
-def test_resting_chains_look_in_the_same_head_forward() -> None:
-    # A row costs 0.6 token at one sequence, 0.75 at two: a first draft at
-    # the prior (0.5) is never worth it, but a sure one would be, so chains
-    # that ran once rest and look now and then.
-    costs = CostModel(FakeClock())
-    for rows, seconds in ((1, 0.010), (2, 0.016), (4, 0.028)):
-        costs.verify.observe(rows, seconds)
-    costs.head.observe(1, 0.0005)
-    costs.observe_held(100, 1, 1, 0.0005 + 100e-6)  # a held row: 1 us
-    policy = policy_on(costs)
-    first, second = decoding(0), decoding(1)
-    draft(policy, first)  # its chain runs in the first step's plan
-    looks: dict[int, list[int]] = {0: [], 1: []}
-    fed_rows: dict[int, list[int]] = {0: [], 1: []}
-    for step in range(1, 41):
-        if step == 6:  # the second sequence joins five steps later
-            draft(policy, second)
-        batch = [first] if step < 6 else [first, second]
-        for slot, feed in head_step(policy, batch, Queues(decoding=batch)).items():
-            looks[slot].append(step)
-            fed_rows[slot].append(len(feed.next_ids))
-    # Five steps apart, they look on one step (one head forward) from the
-    # second's first look on, and each looks half as often after each look.
-    assert looks[0] == [8, 16, 32]
-    assert looks[1] == [16, 32]
-    # A look hands the head every row the chain held since it rested.
-    assert fed_rows[0] == [8, 8, 16] and fed_rows[1] == [11, 16]
-
-
-def test_looks_that_feed_the_head_more_than_a_forward_go_one_a_step() -> None:
-    costs = CostModel(FakeClock())
-    costs.head.observe(1, 0.001)
-    costs.head.observe(4, 0.002)
-    # At 4 sequences a row costs 0.75 token: a first draft at the prior is
-    # never worth it, a sure one would be (0.05 token over the head's share).
-    costs.verify.observe(4, 0.010)
-    costs.verify.observe(8, 0.0175)
-    costs.observe_held(100, 1, 1, 0.006)  # a held row: 0.05 ms, 20 of them a forward
-    policy = policy_on(costs)
-    batch = [decoding(slot, max_tokens=500) for slot in range(4)]
-    queues = Queues(decoding=batch)
-    # Two sequences hold a prompt of 100 rows (5 ms to feed), two of 10
-    # (0.5 ms); each chain runs in the first step's plan.
-    for seq, held in zip(batch, (100, 100, 10, 10), strict=True):
-        rows = torch.zeros(held, HIDDEN)
-        assert policy.prompt_feed(seq, 0, [5] * held, rows, False, queues) is None
-        draft(policy, seq)
-    looks: dict[int, list[int]] = {seq.slot: [] for seq in batch}
-    for step in range(1, 25):
-        for slot in head_step(policy, batch, queues):
-            looks[slot].append(step)
-    # The light sequences look together on steps 8 and 16. Of the heavy
-    # ones, one looks on step 8 and the other waits for the next look step,
-    # 16 (by then the first holds 8 rows, and looks with the light ones).
-    assert looks[2] == looks[3] == [8, 16]
-    assert looks[0] == [8, 16] and looks[1] == [16]
-
-
 def test_the_shared_head_prices_chains_by_the_forwards_a_step_lately_ran() -> None:
     # 16 sequences at 100 tokens/s whose rows cost 0.45 token: a first draft
     # at the prior adds 0.05 a step. A head forward of 1 ms for one (0.1
@@ -319,35 +245,8 @@ def test_the_shared_head_prices_chains_by_the_forwards_a_step_lately_ran() -> No
 
     assert fed() == list(range(16))
     # Steps whose head calls ran three forwards each (chains two drafts
-    # deeper): the sixteen no longer pay 1.2, and only the run's one scout
-    # looks.
+    # deeper): the sixteen no longer pay 1.2, and every chain rests.
     feeds = [DraftFeed(seq, seq.seq_len, [seq.last_token], 1) for seq in batch]
     for _ in range(40):
         policy.head_ran(feeds, 3, 3 * 0.004)
-    assert fed() == [0]
-
-
-@pytest.mark.parametrize("resume", [True, False])
-def test_a_run_starts_from_the_estimates_the_last_run_on_its_set_up_ended_with(
-    resume: bool, tmp_path: Path
-) -> None:
-    key = {"model": "m", "device": "cpu", "threads": "1"}
-    first = policy_on(CostModel(FakeClock(), CostCache(tmp_path, key)))
-    first.costs.calibrated = True  # no model to time: the costs are not the point
-    first.calibrate(None, None, 1, 64)
-    for _ in range(20):
-        first.budget.rates.observe(("mtp", 0), False)
-    ended = first.budget.rates.rate(("mtp", 0))
-    first.save()
-    without = () if resume else ("resume",)
-    later = policy_on(CostModel(FakeClock(), CostCache(tmp_path, key)), without=without)
-    later.costs.calibrated = True
-    later.calibrate(None, None, 1, 64)
-    started = later.budget.rates.rate(("mtp", 0))
-    assert started == pytest.approx(ended if resume else 0.5)
-    assert ended < 0.1
-    # Only the first run of a policy starts from the store.
-    later.budget.rates.observe(("mtp", 0), True)
-    moved = later.budget.rates.rate(("mtp", 0))
-    later.calibrate(None, None, 1, 64)
-    assert later.budget.rates.rate(("mtp", 0)) == moved
+    assert fed() == []

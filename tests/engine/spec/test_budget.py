@@ -8,7 +8,7 @@ in ``test_auto.py``; the head's schedule's pure functions are in
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -221,7 +221,7 @@ def test_where_drafts_do_not_pay_the_head_reads_no_prompt() -> None:
     assert read["free"] == {0, 1, 2, 3}
     # A row as dear as a step: a chain not valued yet rests from the start,
     # holding its prompt, and as not even a draft sure to be accepted pays
-    # its row, no look or scout is made: the head reads nothing at all.
+    # its row, it never starts: the head reads nothing at all.
     assert read["dear"] == set() and forwards["dear"] == 0
 
 
@@ -231,26 +231,11 @@ def test_a_sequence_admitted_with_others_prices_its_chain_at_the_whole_batch() -
     # are admitted in one prefill, one after another; priced at the lines
     # decoding so far (1, 2, 3, then 4), each chain was worth its head share,
     # and the head read all four prompts in its first forward. Priced at the
-    # four, only the run's scout reads one; later scouts read one each.
+    # four, no chain is worth it: the head reads no prompt.
     engine, model, head = costed_head("cpu")
     prompts = [p * 2 for p in PROMPTS]
     assert generate(engine, prompts) == [reference_greedy(model, p, 40) for p in prompts]
-    read = [{s.slot for s in segments if s.start == 0} for segments, _ in head.forwards]
-    assert read[0] == {0}
-    assert all(len(slots) <= 1 for slots in read)
-
-
-def test_no_look_is_made_while_a_sure_draft_would_not_pay_its_row_and_the_head() -> None:
-    forwards = {}
-    for head_cost in (0.0, 0.004):
-        engine, model, head = costed_head("tight", head_cost)
-        prompts = [p * 2 for p in PROMPTS]
-        assert generate(engine, prompts) == [reference_greedy(model, p, 40) for p in prompts]
-        forwards[head_cost] = len(head.forwards)
-    # A free head leaves a sure draft 0.06 token: scouts look for a chain.
-    assert forwards[0.0] > 0
-    # Shared by 4, a 4 ms head forward costs each 0.12 token: nothing could pay.
-    assert forwards[0.004] == 0
+    assert not [s for segments, _ in head.forwards for s in segments if s.start == 0]
 
 
 # -- the budget in the engine ----------------------------------------------------
@@ -295,100 +280,8 @@ def test_the_budget_grows_when_rows_are_nearly_free_and_shrinks_when_they_are_de
     assert mean_drafts["dear"] < 0.25
 
 
-def drafts_by_slot(
-    engine: Engine,
-    model: CostedModel,
-    ends: bool,
-    prompts: tuple[Sequence[int], Sequence[int]] = (PROMPTS[0], PROMPTS[1]),
-) -> tuple[dict[str, list[int]], dict[int, list[int]]]:
-    """Decodes a 40-token line (slot 0) and an 8-token one (slot 1) from a
-    stream that ends after them (``ends``), or goes on idling; returns the
-    outputs and each slot's drafts per verify."""
-    reqs = [
-        Request("long", tuple(prompts[0]), SamplingParams(max_tokens=40)),
-        Request("short", tuple(prompts[1]), SamplingParams(max_tokens=8)),
-    ]
-
-    def stream() -> Iterator[Request | None]:
-        yield from reqs
-        while not ends:
-            yield None  # more may come: the run is not draining
-
-    outputs: dict[str, list[int]] = {}
-    for result in engine.generate(stream()):
-        outputs[result.request_id] = list(result.output_ids)
-        if len(outputs) == 2:
-            break
-    starts = {0: len(prompts[0]), 1: len(prompts[1])}
-    drafts: dict[int, list[int]] = {0: [], 1: []}
-    for forward in model.forwards:
-        for seg in forward:
-            if seg.start >= starts[seg.slot]:
-                drafts[seg.slot].append(len(seg.token_ids) - 1)
-    return outputs, drafts
-
-
-def test_in_a_drain_a_sequence_that_finishes_first_anyway_drafts_nothing() -> None:
-    for ends in (True, False):
-        engine, model = costed_engine("cpu", mtp_mode="right")
-        outputs, drafts = drafts_by_slot(engine, model, ends)
-        assert outputs["long"] == reference_greedy(model, PROMPTS[0], 40)
-        assert outputs["short"] == reference_greedy(model, PROMPTS[1], 8)
-        assert max(drafts[0]) == 3  # the line the run waits for drafts its chain
-        if ends:
-            # 8 tokens at most, against the long line's 40 at 4 a verify.
-            assert set(drafts[1]) == {0}
-        else:
-            assert max(drafts[1]) > 0  # while the stream runs, every token counts
-
-
-def test_the_drain_stops_once_a_sequence_has_ended_on_its_own() -> None:
-    # A stream of three lines that then ends. The drain holds back the
-    # 8-token line, ahead of the 40-token ones all the way (they draft, at
-    # most 4 tokens a verify), unless the
-    # first line ends at end of sequence, six tokens in: from then on which
-    # line ends last cannot be told from tokens left, and it drafts again.
-    probe = FakeModel(num_slots=4)
-    eos = reference_greedy(probe, PROMPTS[2], 6)[-1]
-    lines = {"first": (PROMPTS[2], 40), "long": (PROMPTS[0], 40), "short": (PROMPTS[1], 8)}
-    short_drafts = {}
-    for ends in ((), (eos,)):
-        expected = {name: reference_greedy(probe, p, n, ends) for name, (p, n) in lines.items()}
-        lengths = [len(expected[name]) for name in lines]
-        assert lengths == ([6, 40, 8] if ends else [40, 40, 8])  # only the first ends early
-        engine, model = costed_engine("cpu", mtp_mode="right")
-        reqs = [
-            Request(name, tuple(p), SamplingParams(max_tokens=n, eos_token_ids=ends))
-            for name, (p, n) in lines.items()
-        ]
-        outputs = {r.request_id: list(r.output_ids) for r in engine.generate(reqs)}
-        assert outputs == expected
-        short_drafts[ends] = [
-            len(seg.token_ids) - 1
-            for forward in model.forwards
-            for seg in forward
-            if seg.slot == 2 and seg.start >= len(PROMPTS[1])
-        ]
-    assert set(short_drafts[()]) == {0}
-    assert max(short_drafts[(eos,)]) > 0
-
-
-def test_in_a_drain_a_sequence_ahead_still_verifies_its_copies() -> None:
-    # The drain rests the chains of lines ahead, not their copies: a copy
-    # costs no head forward, and a line may end at EOS long before the
-    # max_tokens the drain counts it by.
-    engine, model = costed_engine("free", mtp_mode=None, lookup=LOOKUP)
-    seed = PROMPTS[1]
-    # The short line's prompt ends as it began, so its output repeats what
-    # followed the start: a copy from its first verify on.
-    echo = [*seed, *reference_greedy(model, seed, 16), *seed]
-    outputs, drafts = drafts_by_slot(engine, model, True, (PROMPTS[0], echo))
-    assert outputs["short"] == reference_greedy(model, echo, 8)
-    assert max(drafts[1]) > 0
-
-
 def test_the_figures_add_up_under_the_budget() -> None:
-    # A head that is always right: a scout shows it, and chains run.
+    # A head that is always right, at CPU-like costs.
     engine, _ = costed_engine("cpu", mtp_mode="right", lookup=LOOKUP)
     reqs = [Request(str(i), tuple(p), SamplingParams(max_tokens=40)) for i, p in enumerate(PROMPTS)]
     check_figures_add_up(engine, list(engine.generate(reqs)))

@@ -3,7 +3,6 @@ calibration and its cache (``spec/cost.py``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -185,20 +184,3 @@ def test_the_calibration_key_names_threads_and_dtype(tmp_path: Path) -> None:
     as_bf16 = load_model(folder, RuntimeConfig(device="cpu", dtype="bfloat16", num_slots=2))
     assert calibration_key(as_bf16)["dtype"] == "bfloat16"
     assert CostCache(tmp_path, key).path != CostCache(tmp_path, calibration_key(as_bf16)).path
-
-
-def test_acceptance_estimates_are_kept_beside_the_costs_under_their_key(tmp_path: Path) -> None:
-    key = {"model": "m", "device": "cpu", "dtype": "float32", "threads": "2"}
-    cache = CostCache(tmp_path, key)
-    assert cache.load_acceptance() == {}
-    cache.store_acceptance({("mtp", 0): 0.4, ("copy", 2, 3): 0.75})
-    assert CostCache(tmp_path, key).load_acceptance() == {("mtp", 0): 0.4, ("copy", 2, 3): 0.75}
-    assert CostCache(tmp_path, {**key, "threads": "1"}).load_acceptance() == {}
-    # Entries that are no estimate are left out; a damaged file reads as none.
-    stored = cache.path.with_name(cache.path.stem + ".acceptance.json")
-    data = json.loads(stored.read_text())
-    data["acceptance"].update({"mtp/x": 0.5, "copy/1": 2.0, "mtp/1": "high"})
-    stored.write_text(json.dumps(data))
-    assert cache.load_acceptance() == {("mtp", 0): 0.4, ("copy", 2, 3): 0.75}
-    stored.write_text("{not json")
-    assert cache.load_acceptance() == {}

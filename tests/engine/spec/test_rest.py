@@ -1,7 +1,7 @@
 """The chain's rest (``spec/rest.py``): which chains share the head forward,
-which join it, and what a look could pay, as pure functions of the costs
-and estimates (the schedule itself is driven through ``AutoPolicy`` in
-``test_auto.py``)."""
+which join it, and whether a resting chain could repay its held rows, as
+pure functions of the costs and estimates (the schedule itself is driven
+through ``AutoPolicy`` in ``test_auto.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from metrale.engine.spec.budget import first_draft_worth, marginal_row_s
 from metrale.engine.spec.cost import CostModel
 from metrale.engine.spec.estimates import RUN_DECAY, RUN_STRENGTH, Rates
-from metrale.engine.spec.rest import chain_margin, chains_sharing, joins, look_may_pay
+from metrale.engine.spec.rest import chain_margin, chains_sharing, joins, repays_held
 from tests.support.fake_model import FakeClock
 
 
@@ -149,7 +149,7 @@ def one_sequence_costs() -> CostModel:
     return costs
 
 
-def test_a_look_must_repay_the_rows_it_feeds_the_head_before_the_sequence_ends() -> None:
+def test_a_chain_must_repay_the_rows_it_feeds_the_head_before_the_sequence_ends() -> None:
     costs = one_sequence_costs()
     # At 1 sequence, 100 tokens/s: a sure draft adds 1 - 0.1 (its row) - 0.1
     # (the head) = 0.8 token a step at most.
@@ -160,14 +160,14 @@ def test_a_look_must_repay_the_rows_it_feeds_the_head_before_the_sequence_ends()
     assert costs.held_row_s() == pytest.approx(0.0005)
     # 100 held rows: 50 ms, 5 tokens at this rate; 0.8 token a step repays
     # it over 7 tokens left, not over 6.
-    assert look_may_pay(margin, rate, 7, 100, costs.held_row_s())
-    assert not look_may_pay(margin, rate, 6, 100, costs.held_row_s())
-    # Nothing held: a look costs its step only.
-    assert look_may_pay(margin, rate, 1, 0, costs.held_row_s())
+    assert repays_held(margin, rate, 7, 100, costs.held_row_s())
+    assert not repays_held(margin, rate, 6, 100, costs.held_row_s())
+    # Nothing held: the chain costs its step only.
+    assert repays_held(margin, rate, 1, 0, costs.held_row_s())
     # A catch-up measured: 40 held rows took 4 ms beyond the head's 1 ms.
     costs.observe_held(40, 1, 1, 0.005)
     assert costs.held_row_s() == pytest.approx(0.0001)
-    assert look_may_pay(margin, rate, 2, 100, costs.held_row_s())  # 1 token to repay now
-    assert not look_may_pay(margin, rate, 1, 100, costs.held_row_s())
-    # No margin, no look, whatever is held.
-    assert not look_may_pay(0.0, rate, 1000, 0, costs.held_row_s())
+    assert repays_held(margin, rate, 2, 100, costs.held_row_s())  # 1 token to repay now
+    assert not repays_held(margin, rate, 1, 100, costs.held_row_s())
+    # No margin, no start, whatever is held.
+    assert not repays_held(0.0, rate, 1000, 0, costs.held_row_s())
