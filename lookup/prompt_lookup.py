@@ -27,9 +27,11 @@ _KEY_BITS = 21
 _MAX_MISS_EXPONENT = 30
 
 # Longest-agreement copies: occurrences of the last token searched, newest
-# first, and tokens of agreement counted back at most.
+# first, and tokens of agreement counted back at most; the least agreement
+# a copy is offered at (the last token alone is an occurrence, not agreement).
 LONGEST_CANDIDATES = 32
 LONGEST_AGREEMENT = 32
+LONGEST_MIN_AGREEMENT = 2
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ class PromptLookupSeq:
     ``longest=True`` (the draft budget's copies, ``--draft-policy auto``):
     the copy follows the earlier occurrence of the last token whose
     preceding tokens agree longest with the history's own, however short
-    the agreement, and ``agreement`` says how long it was: the budget prices
+    the agreement beyond the last token itself (``LONGEST_MIN_AGREEMENT``),
+    and ``agreement`` says how long it was: the budget prices
     a copy by it (a copy that agrees on more tokens is right more often), so
     the n-gram, ``min_match`` and the miss cooldown, which guard a fixed rule
     against copies that keep failing, do not apply; the fallback is still
@@ -245,9 +248,10 @@ class PromptLookupSeq:
         history's last token, the one whose preceding tokens agree longest
         with the history's own (the most recent among equals), searched over
         the latest ``LONGEST_CANDIDATES`` occurrences and ``LONGEST_AGREEMENT``
-        tokens back, with the position just after it; None when the last
-        token never occurred before (``propose_with`` weighs the agreement
-        against ``min_match`` to ask the fallback)."""
+        tokens back, with the position just after it; None when no
+        occurrence agrees on ``LONGEST_MIN_AGREEMENT`` tokens
+        (``propose_with`` weighs the agreement against ``min_match`` to ask
+        the fallback)."""
         end = len(history)
         after = self._after
         if end < self._indexed_upto:  # a rewind: drop positions past the end
@@ -275,7 +279,7 @@ class PromptLookupSeq:
                 best, best_at = k, j
                 if k >= LONGEST_AGREEMENT:
                     break
-        return (best, best_at) if best else None
+        return (best, best_at) if best >= LONGEST_MIN_AGREEMENT else None
 
     def _key(self, history: Sequence[int], end: int) -> int:
         """The index key of the n-gram ``history[end - ngram : end]``."""

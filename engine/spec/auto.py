@@ -20,8 +20,8 @@ invariants:
 
 A sequence's own copies come from the longest agreement
 (``PromptLookupSeq(longest=True)``): the earlier occurrence of its last
-token whose preceding tokens agree longest with its own, however short,
-offered up to the copy caps without the fixed rule's window and cooldown;
+token whose preceding tokens agree longest with its own (on one token
+before it at least), offered up to the copy caps without the fixed rule's window and cooldown;
 the plan prices each copy by its agreement instead.
 
 The head: a sequence whose chain is not worth the head forward rests and

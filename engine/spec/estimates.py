@@ -23,7 +23,7 @@ Key = tuple[object, ...]
 COPY_POSITIONS = 8
 # Upper edges (exclusive) of the bins a copy is scored in by the tokens its
 # source agreed on before it.
-AGREEMENT_EDGES = (2, 3, 4, 8, 16)
+AGREEMENT_EDGES = (3, 4, 8, 16)
 # Upper edges of the confidence bins an MTP draft is scored in.
 CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.85, 0.95)
 # What a run believes of a first draft before it has seen one, and how

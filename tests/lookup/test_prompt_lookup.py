@@ -9,7 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metrale.lookup import PromptLookupConfig, PromptLookupSeq
-from metrale.lookup.prompt_lookup import LONGEST_AGREEMENT, LONGEST_CANDIDATES
+from metrale.lookup.prompt_lookup import (
+    LONGEST_AGREEMENT,
+    LONGEST_CANDIDATES,
+    LONGEST_MIN_AGREEMENT,
+)
 
 # A small alphabet makes repeated n-grams, stale entries and near-misses common.
 histories = st.lists(st.integers(0, 3), max_size=60)
@@ -278,7 +282,8 @@ def test_config_defaults_are_the_ones_the_readme_documents():
 def reference_longest(history: Sequence[int], max_len: int) -> tuple[list[int], int] | None:
     """Brute force: of the latest LONGEST_CANDIDATES earlier occurrences of the
     last token, the one whose preceding tokens agree longest with the
-    history's (counted up to LONGEST_AGREEMENT), the latest among equals."""
+    history's (counted up to LONGEST_AGREEMENT), the latest among equals;
+    None below LONGEST_MIN_AGREEMENT."""
     h, end = list(history), len(history)
     if end < 2:
         return None
@@ -290,7 +295,7 @@ def reference_longest(history: Sequence[int], max_len: int) -> tuple[list[int], 
             k += 1
         if best is None or k >= best[0]:
             best = (k, j)
-    if best is None:
+    if best is None or best[0] < LONGEST_MIN_AGREEMENT:
         return None
     return h[best[1] : best[1] + max_len], best[0]
 
