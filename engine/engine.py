@@ -278,6 +278,12 @@ class Engine:
                 slot = self._free_slots.pop()
             else:
                 slot, source = prefixes.choose_slot(request.prompt_ids, self._free_slots)
+                if self._drafter is not None:
+                    # The source's owed rows are read before they are reused;
+                    # the slot's old ones are written over.
+                    if source is not None:
+                        self._drafter.pay(source.slot)
+                    self._drafter.forget(slot)
             seq = SeqState(
                 request=request,
                 slot=slot,
@@ -322,18 +328,14 @@ class Engine:
         return results
 
     def _feed_ended(self, seq: SeqState) -> None:
-        """The head reads the prompt rows ``seq``'s chain held (``DraftPolicy.ended``),
-        so that its slot serves the prompt's prefix to the requests after it;
-        not once the stream has ended and nothing waits, when no request
-        is left to reuse it (the rows are dropped with the sequence)."""
+        """The head owes the prompt rows ``seq``'s chain held (``DraftPolicy.ended``):
+        its slot serves the prompt's prefix to a request after it, which
+        has the head read them first (``_admit``, ``MtpDrafter.owe``)."""
         if self._prefixes is None or self._drafter is None or seq.error is not None:
-            return
-        if self._queues.stream_done and not self._queues.waiting:
             return
         feed = self.policy.ended(seq)
         if feed is not None:
-            draft_feed, rows = feed
-            self._drafter.feed_and_draft([draft_feed], rows)
+            self._drafter.owe(*feed)
 
     # -- helpers ------------------------------------------------------------
 

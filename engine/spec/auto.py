@@ -289,9 +289,9 @@ class AutoPolicy:
         self.costs.save()
 
     def ended(self, seq: SeqState) -> Feed | None:
-        """The prompt rows a resting chain held, fed (``DraftPolicy.ended``):
-        the head reads them once, where the prompt's own prefill would
-        have had it read them every time the prefix is reused."""
+        """The prompt rows a resting chain held, as a feed (``DraftPolicy.ended``):
+        the head reads them only where a later request reuses the prefix
+        (``MtpDrafter.owe``)."""
         released = self.rest.release_prompt(seq)
         if released is None:
             return None

@@ -139,6 +139,8 @@ class MtpDrafter:
         # Per module but the last: [num_slots, hidden_size], its output at the
         # last final row of each slot's latest feed; made on first use.
         self._last: list[torch.Tensor] = []
+        # By slot: an ended sequence's held rows, not fed yet (``owe``).
+        self._owed: dict[int, tuple[DraftFeed, torch.Tensor]] = {}
 
     @property
     def num_slots(self) -> int:
@@ -166,12 +168,36 @@ class MtpDrafter:
             self._chain(feeds, hidden, drafts)
         else:
             self._stack(feeds, hidden, drafts)
-        final = len(self.modules) - 1  # module k holds rows below end - k for good
         for i, feed in enumerate(feeds):
-            if feed.seq.head_rows is not None:
-                feed.seq.head_rows = max(feed.seq.head_rows, feed.end - final)
+            self._count_rows(feed)
             feed.seq.set_drafts(drafts[i])
             mark_declined(feed.seq, feed.num_drafts > 0 and not drafts[i])
+
+    def owe(self, feed: DraftFeed, hidden: torch.Tensor) -> None:
+        """Keeps the feed of rows an ended sequence's chain held (``hidden``:
+        their rows) for its slot: fed once a request reuses the slot's prefix
+        (``pay``), dropped once another takes the slot (``forget``). The slot
+        counts them as held meanwhile: a later request may find its prefix
+        there, and most never do, so most are never read."""
+        self._owed[feed.seq.slot] = feed, hidden
+        self._count_rows(feed)
+
+    def pay(self, slot: int) -> None:
+        """Feeds what ``slot`` owes (``owe``), if anything."""
+        owed = self._owed.pop(slot, None)
+        if owed is not None:
+            self.feed_and_draft([owed[0]], owed[1])
+
+    def forget(self, slot: int) -> None:
+        """Drops what ``slot`` owes: another sequence writes over its rows."""
+        self._owed.pop(slot, None)
+
+    def _count_rows(self, feed: DraftFeed) -> None:
+        """Raises the rows ``feed``'s slot holds for good in every module:
+        module ``k`` holds those below ``end - k``."""
+        if feed.seq.head_rows is not None:
+            final = len(self.modules) - 1
+            feed.seq.head_rows = max(feed.seq.head_rows, feed.end - final)
 
     def _chain(
         self,

@@ -120,6 +120,33 @@ def test_no_prompt_row_is_fed_once_no_request_is_left_to_reuse_it(
     assert results == plain
 
 
+def test_a_held_prompt_no_later_line_reuses_is_never_fed(
+    loaded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One line at a time, no two sharing a prefix: the prompt rows each
+    resting chain held are owed to its slot and dropped unread when the
+    next line takes it."""
+    if not loaded.mtp:
+        pytest.skip("no MTP module: nothing is held back")
+    chains_rest(loaded, tmp_path, monkeypatch)
+    fed: list[int] = []
+    feed_and_draft = MtpDrafter.feed_and_draft
+
+    def counted(self: MtpDrafter, feeds: list[DraftFeed], rows: torch.Tensor) -> object:
+        fed.append(rows.shape[0])
+        return feed_and_draft(self, feeds, rows)
+
+    monkeypatch.setattr(MtpDrafter, "feed_and_draft", counted)
+    params = SamplingParams(max_tokens=6)
+    requests = [Request(str(i), tuple(range(10 + 20 * i, 30 + 20 * i)), params) for i in range(4)]
+    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=1, draft_policy="auto"))
+    results = {r.request_id: r.output_ids for r in engine.generate(requests)}
+    assert engine.stats().prefix_hits == 0
+    assert fed == []
+    plain, _ = run(loaded, requests, max_batch=1, prefix_cache=False)
+    assert results == plain
+
+
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
 def test_lines_admitted_together_prefill_the_shared_prompt_once(
     loaded: LoadedModel, policy: str
