@@ -219,17 +219,24 @@ class AutoPolicy:
         prompt of up to ``HOLD_MAX`` tokens is held until the chain first
         drafts: where drafts do not pay, the head never reads the prompts of
         the sequences whose chains never run. A prompt another request waits
-        to copy (``prefix_cache.py``) is never held."""
+        to copy (``prefix_cache.py``) is never held. A chain that starts as
+        its prompt completes repays the prompt's rows, as one resting does
+        its held rows."""
         rest = self.rest
         if seq.prompt_len <= HOLD_MAX:
             # Every sequence admitted shares the steps to come, those whose
             # prompts are still being read too.
             live = queues.running() + len(queues.prefilling)
             waited = seq.waited_on > 0  # another request copies these rows
-            if not waited and (not complete or not rest.wants_chain(seq, max(live, 1))):
+            if waited:
+                start, next_ids, rows = rest.release(seq, start, next_ids, rows)
+            else:
+                # Held first: the chain is priced with the prompt rows it
+                # would have the head read (``ChainRest.repays_held``).
                 rest.hold(seq, start, next_ids, rows)
-                return None
-            start, next_ids, rows = rest.release(seq, start, next_ids, rows)
+                if not complete or not rest.wants_chain(seq, max(live, 1)):
+                    return None
+                start, next_ids, rows = rest.release(seq, seq.seq_len, [], rows[:0])
         num_drafts = self.chain_len(seq, 0) if complete else 0
         return DraftFeed(seq, start, next_ids, num_drafts), rows
 

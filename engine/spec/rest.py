@@ -308,6 +308,7 @@ def joins(value: float, price: float, head: RunningCosts, sharing: int) -> bool:
     """Whether a chain of ``value`` that ``chains_sharing`` did not price
     (its prompt completed after the choice) pays what its feed adds to the
     forward of the ``sharing`` chains chosen, or a forward of its own when
-    none was, at ``price`` (as in ``chains_sharing``)."""
+    none was, at ``price`` (as in ``chains_sharing``). A chain worth
+    nothing never joins, where its feed adds nothing measurable either."""
     added = head.predict(sharing + 1) - head.predict(sharing) if sharing else head.predict(1)
-    return value >= price * added
+    return value > 0 and value >= price * added

@@ -63,6 +63,13 @@ def test_a_chain_the_choice_did_not_price_joins_where_it_pays_its_feed() -> None
     # Where none was chosen it pays a forward of its own: 0.1 token.
     assert not joins(0.09, price, head, 0)
     assert joins(0.11, price, head, 0)
+    # Where one more feed adds nothing to the forward (as many feeds cost
+    # the same from eight to sixteen), a chain worth nothing does not join.
+    flat = head_of_sixteen().head
+    flat.observe(8, 0.004)
+    assert flat.predict(11) == flat.predict(10)
+    assert not joins(0.0, price, flat, 10)
+    assert joins(0.01, price, flat, 10)
 
 
 def test_no_chain_could_pay_where_a_row_costs_a_token_and_could_as_the_batch_thins() -> None:
