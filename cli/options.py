@@ -314,7 +314,13 @@ RayMaxRetriesOpt = Annotated[
     ),
 ]
 PromptLookupMaxDraftsOpt = Annotated[
-    int, option("--prompt-lookup-max-drafts", "Longest copy.", panel=SPECULATION)
+    int | None,
+    option(
+        "--prompt-lookup-max-drafts",
+        "Longest copy (default: 8 under fixed; under auto, 32 for a lone line, each"
+        " position priced).",
+        panel=SPECULATION,
+    ),
 ]
 PromptLookupMaxSeqsOpt = Annotated[
     int,
