@@ -130,9 +130,10 @@ bench-ablation: setup
 # Whole `metrale generate` processes, one per configuration and run, rounds
 # alternating: the draft budget (--draft-policy auto) against no drafts, copies
 # only, MTP only and both under the fixed policy, at --max-batch 1 and 16, on
-# held-out sets with short answers, where a run lasts seconds. Writes the
+# held-out sets with short answers, where a run lasts seconds, and code edits,
+# where copies pay most. Writes the
 # bench-cli section of docs/benchmarks.md.
-BENCH_CLI_SETS ?= bench_prompts/short_answers.jsonl bench_prompts/log_summaries.jsonl bench_prompts/chat_tasks.jsonl bench_prompts/code_gen.jsonl
+BENCH_CLI_SETS ?= bench_prompts/short_answers.jsonl bench_prompts/log_summaries.jsonl bench_prompts/chat_tasks.jsonl bench_prompts/code_gen.jsonl bench_prompts/code_refactors.jsonl
 bench-cli: setup
 	$(PY) -m metrale.cli.bench_runs $(BENCH_CLI_SETS) --batches 1,16
 
