@@ -279,10 +279,11 @@ class Engine:
             else:
                 slot, source = prefixes.choose_slot(request.prompt_ids, self._free_slots)
                 if self._drafter is not None:
-                    # The source's owed rows are read before they are reused;
-                    # the slot's old ones are written over.
+                    # The source's owed rows are read as far as they are
+                    # reused; the slot's old ones are written over.
                     if source is not None:
-                        self._drafter.pay(source.slot)
+                        reused = prefixes.reused(request.prompt_ids, source)
+                        self._drafter.pay(source.slot, reused)
                     self._drafter.forget(slot)
             seq = SeqState(
                 request=request,

@@ -113,6 +113,10 @@ class PrefixCache:
             self.used[best] = self.clock
         return slot, source
 
+    def reused(self, prompt: Sequence[int], source: SeqState) -> int:
+        """The rows a request with ``prompt`` reuses from ``source`` (0: none)."""
+        return self._reuse(_shared(prompt, source.history, _reach(source)), len(prompt))
+
     def admit(self, seq: SeqState, source: SeqState | None) -> bool:
         """Takes ``seq`` into its slot; true when it may go to the step now,
         false when it waits for its source (``ready`` hands it back)."""
@@ -121,8 +125,7 @@ class PrefixCache:
         self.used[seq.slot] = self.clock
         if source is None:
             return True
-        shared = _shared(seq.request.prompt_ids, source.history, _reach(source))
-        length = self._reuse(shared, seq.prompt_len)
+        length = self.reused(seq.request.prompt_ids, source)
         if source is previous:  # its own slot holds the prefix: nothing to copy
             self._start(seq, min(length, _final_rows(source)))
             return True

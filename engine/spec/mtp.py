@@ -61,6 +61,7 @@ sets it through ``mark_declined``.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -175,18 +176,29 @@ class MtpDrafter:
 
     def owe(self, feed: DraftFeed, hidden: torch.Tensor) -> None:
         """Keeps the feed of rows an ended sequence's chain held (``hidden``:
-        their rows) for its slot: fed once a request reuses the slot's prefix
-        (``pay``), dropped once another takes the slot (``forget``). The slot
-        counts them as held meanwhile: a later request may find its prefix
-        there, and most never do, so most are never read."""
+        their rows) for its slot: fed as far as a request reuses the slot's
+        prefix (``pay``), dropped once another takes the slot (``forget``).
+        The slot counts them as held meanwhile: a later request may find its
+        prefix there, and reuses only the part it shares, or none."""
         self._owed[feed.seq.slot] = feed, hidden
         self._count_rows(feed)
 
-    def pay(self, slot: int) -> None:
-        """Feeds what ``slot`` owes (``owe``), if anything."""
+    def pay(self, slot: int, rows: int) -> None:
+        """Feeds as much of what ``slot`` owes (``owe``) as every module needs
+        to hold its first ``rows`` rows; the rest stays owed."""
         owed = self._owed.pop(slot, None)
-        if owed is not None:
-            self.feed_and_draft([owed[0]], owed[1])
+        if owed is None:
+            return
+        feed, hidden = owed
+        cut = min(rows + len(self.modules) - 1, feed.end) - feed.start
+        if cut > 0:
+            head = dataclasses.replace(feed, next_ids=feed.next_ids[:cut])
+            self.feed_and_draft([head], hidden[:cut])
+        if cut < len(feed.next_ids):
+            rest = dataclasses.replace(
+                feed, start=feed.start + max(cut, 0), next_ids=feed.next_ids[max(cut, 0) :]
+            )
+            self._owed[slot] = rest, hidden[max(cut, 0) :]
 
     def forget(self, slot: int) -> None:
         """Drops what ``slot`` owes: another sequence writes over its rows."""

@@ -147,6 +147,37 @@ def test_a_held_prompt_no_later_line_reuses_is_never_fed(
     assert results == plain
 
 
+def test_a_held_prompt_is_fed_only_as_far_as_the_next_line_reuses_it(
+    loaded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two lines one at a time, sharing 40 prompt tokens, the first with 30
+    of its own after them: the second reuses the shared ones, and the head
+    reads the first's held rows that far (and the module lag), not its whole
+    prompt."""
+    if not loaded.mtp:
+        pytest.skip("no MTP module: nothing is held back")
+    chains_rest(loaded, tmp_path, monkeypatch)
+    fed: list[tuple[int, int]] = []  # (first position, rows) of every feed
+    feed_and_draft = MtpDrafter.feed_and_draft
+
+    def counted(self: MtpDrafter, feeds: list[DraftFeed], rows: torch.Tensor) -> object:
+        fed.extend((f.start, len(f.next_ids)) for f in feeds)
+        return feed_and_draft(self, feeds, rows)
+
+    monkeypatch.setattr(MtpDrafter, "feed_and_draft", counted)
+    params = SamplingParams(max_tokens=6)
+    first = Request("0", tuple(SHARED + list(range(80, 110))), params)
+    second = Request("1", (*SHARED, 50), params)
+    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=1, draft_policy="auto"))
+    results = {r.request_id: r.output_ids for r in engine.generate([first, second])}
+    stats = engine.stats()
+    assert stats.prefix_hits == 1 and stats.cached_tokens >= len(SHARED) - 1
+    assert fed and all(start == 0 for start, _ in fed)
+    assert sum(rows for _, rows in fed) <= len(SHARED) + 1
+    plain, _ = run(loaded, [first, second], max_batch=1, prefix_cache=False)
+    assert results == plain
+
+
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
 def test_lines_admitted_together_prefill_the_shared_prompt_once(
     loaded: LoadedModel, policy: str
