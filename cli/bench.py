@@ -165,7 +165,7 @@ def bench(
     ] = 10,
     mtp_drafts: MtpDraftsOpt = MTP_DRAFTS,
     mtp_min_prob: MtpMinProbOpt = MTP_MIN_PROB,
-    prompt_lookup_max_drafts: PromptLookupMaxDraftsOpt = None,
+    prompt_lookup_max_drafts: PromptLookupMaxDraftsOpt = 8,
     prompt_lookup_max_seqs: PromptLookupMaxSeqsOpt = 8,
     prompt_lookup_ngram: PromptLookupNgramOpt = 4,
     prompt_lookup_min_match: PromptLookupMinMatchOpt = 8,

@@ -124,7 +124,7 @@ def generate(
             panel=SPECULATION,
         ),
     ] = True,
-    pl_max_drafts: PromptLookupMaxDraftsOpt = None,
+    pl_max_drafts: PromptLookupMaxDraftsOpt = 8,
     pl_max_seqs: PromptLookupMaxSeqsOpt = 8,
     pl_ngram: PromptLookupNgramOpt = 4,
     pl_min_match: PromptLookupMinMatchOpt = 8,

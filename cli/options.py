@@ -314,13 +314,7 @@ RayMaxRetriesOpt = Annotated[
     ),
 ]
 PromptLookupMaxDraftsOpt = Annotated[
-    int | None,
-    option(
-        "--prompt-lookup-max-drafts",
-        "Longest copy (default: 8 under fixed; under auto, 32 for a lone line, each"
-        " position priced).",
-        panel=SPECULATION,
-    ),
+    int, option("--prompt-lookup-max-drafts", "Longest copy.", panel=SPECULATION)
 ]
 PromptLookupMaxSeqsOpt = Annotated[
     int,

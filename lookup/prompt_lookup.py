@@ -32,11 +32,6 @@ _MAX_MISS_EXPONENT = 30
 LONGEST_CANDIDATES = 32
 LONGEST_AGREEMENT = 32
 LONGEST_MIN_AGREEMENT = 2
-# The longest copy where ``max_drafts`` is not set: the fixed rule's window
-# grows to the first; the draft budget, which prices every position of a
-# copy by its acceptance, takes up to the second at a lone sequence.
-FIXED_MAX_DRAFTS = 8
-PRICED_MAX_DRAFTS = 32
 
 
 @dataclass(frozen=True)
@@ -45,7 +40,7 @@ class PromptLookupConfig:
 
     ``ngram``: length of the n-gram looked up (``--prompt-lookup-ngram``).
     ``max_drafts``: longest copy and ceiling of the window
-    (``--prompt-lookup-max-drafts``); None: ``copy_max`` decides. ``max_seqs``: copies are skipped while
+    (``--prompt-lookup-max-drafts``). ``max_seqs``: copies are skipped while
     more sequences run (``--prompt-lookup-max-seqs``). ``min_match``: tokens
     that must agree before the match, never fewer than ``ngram``
     (``--prompt-lookup-min-match``). ``miss_backoff``: cap of the cooldown in
@@ -53,26 +48,17 @@ class PromptLookupConfig:
     """
 
     ngram: int = 4
-    max_drafts: int | None = None
+    max_drafts: int = 8
     max_seqs: int = 8
     min_match: int = 8
     miss_backoff: int = 16
 
     def __post_init__(self) -> None:
         _check_range("ngram", self.ngram, 1, 64)
-        if self.max_drafts is not None:
-            _check_range("max_drafts", self.max_drafts, 1, 256)
+        _check_range("max_drafts", self.max_drafts, 1, 256)
         _check_range("max_seqs", self.max_seqs, 1, 1 << 20)
         _check_range("min_match", self.min_match, 1, 4096)
         _check_range("miss_backoff", self.miss_backoff, 0, 1 << 20)
-
-    def copy_max(self, priced: bool = False) -> int:
-        """The longest copy: ``max_drafts`` where set; else
-        ``FIXED_MAX_DRAFTS``, or ``PRICED_MAX_DRAFTS`` for a copy the draft
-        budget prices (``priced``)."""
-        if self.max_drafts is not None:
-            return self.max_drafts
-        return PRICED_MAX_DRAFTS if priced else FIXED_MAX_DRAFTS
 
     @property
     def effective_min_match(self) -> int:
@@ -126,7 +112,7 @@ class PromptLookupSeq:
         self.agreement = 0  # tokens the copy in flight agreed on before it; 0: unknown
         self._ngram = cfg.ngram
         self._min_match = cfg.effective_min_match
-        self._max_drafts = cfg.copy_max()
+        self._max_drafts = cfg.max_drafts
         self._miss_backoff = cfg.miss_backoff
         self._key_mask = (1 << (_KEY_BITS * cfg.ngram)) - 1
         self._index: dict[int, int] = {}  # n-gram key -> position after its latest occurrence
@@ -134,7 +120,7 @@ class PromptLookupSeq:
         # The key of the n-gram ending at `_indexed_upto`, carried between
         # calls so an appended token costs one shift, not a re-read of n tokens.
         self._tail_key: int | None = None
-        self._window = min(2, self._max_drafts)
+        self._window = min(2, cfg.max_drafts)
         self._misses = 0
         self._cooldown = 0  # proposal rounds left that propose nothing
         self._in_flight = 0

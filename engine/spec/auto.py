@@ -6,7 +6,7 @@ sequence, and after the verify every offer is scored; the chain's rest
 Contract: ``AutoPolicy`` is a ``DraftPolicy`` (``policy.py``); the step calls
 it at the same points as the fixed policy, and it keeps the fixed rule's
 invariants:
-- A copy is never longer than ``PromptLookupConfig.copy_max``, the slot's
+- A copy is never longer than ``PromptLookupConfig.max_drafts``, the slot's
   draft capacity, nor, in a batch of two or more, 3 tokens; an MTP chain
   never longer than the ladder's longest; copies are off when more than
   ``max_seqs`` sequences run.
@@ -92,7 +92,7 @@ def take_planned_drafts(
     """Sets each sequence's drafts to the plan's choice (module doc). Runs
     after ``take_forced`` and before ``check_drafts``."""
     copying = copies_on(cfg, len(batch))
-    path_cap = copy_path_cap(cfg, len(batch), priced=True) if cfg is not None else 0
+    path_cap = copy_path_cap(cfg, len(batch)) if cfg is not None else 0
     candidates: list[Candidates] = []
     for seq in batch:
         own = budget.for_seq(seq)

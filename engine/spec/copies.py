@@ -14,7 +14,7 @@ Invariants:
   layers: chain 0, plain prompt-lookup decoding), or for one whose drafter
   declined to draft this step (no draft likely enough: chain 0,
   ``mtp.declined``).
-- A copy is never longer than ``PromptLookupConfig.copy_max``, the slot's draft
+- A copy is never longer than ``PromptLookupConfig.max_drafts``, the slot's draft
   capacity, nor, in a batch of two or more, 3 tokens (a batched verify takes at
   most 4 rows per sequence).
 - Every copy marked in flight by ``take_rounds_with_copies`` is settled by
@@ -146,18 +146,17 @@ def copies_on(cfg: PromptLookupConfig | None, running: int) -> bool:
     return cfg is not None and running <= cfg.max_seqs
 
 
-def copy_path_cap(cfg: PromptLookupConfig, running: int, priced: bool = False) -> int:
+def copy_path_cap(cfg: PromptLookupConfig, running: int) -> int:
     """The longest copy a verify of ``running`` sequences takes: a lone one
-    verifies a copy of any length in one pass (``cfg.copy_max``; ``priced``:
-    the draft budget's); in a batch a copy is cut to the 4-row verify."""
-    return cfg.copy_max(priced) if running == 1 else BATCHED_COPY_MAX
+    verifies a copy of any length in one pass; in a batch a copy is cut to
+    the 4-row verify."""
+    return cfg.max_drafts if running == 1 else BATCHED_COPY_MAX
 
 
-def slot_copy_cap(seq: SeqState, cfg: PromptLookupConfig, path_cap: int, priced: bool) -> int:
+def slot_copy_cap(seq: SeqState, cfg: PromptLookupConfig, path_cap: int) -> int:
     """The longest copy ``seq`` may verify after its forced run: by
-    ``cfg.copy_max``, the slot's draft capacity and the verify's ``path_cap``."""
-    most = cfg.copy_max(priced)
-    return min(most, seq.draft_capacity() - len(forced_of(seq)), path_cap)
+    ``max_drafts``, the slot's draft capacity and the verify's ``path_cap``."""
+    return min(cfg.max_drafts, seq.draft_capacity() - len(forced_of(seq)), path_cap)
 
 
 def propose_copy(
@@ -172,7 +171,7 @@ def propose_copy(
     (cut to what the grammar allows and to a bucketed width), never asked for
     less than ``chain`` tokens; None when there is none or no room for one."""
     forced = forced_of(seq)
-    slot_cap = slot_copy_cap(seq, cfg, path_cap, priced=longest)
+    slot_cap = slot_copy_cap(seq, cfg, path_cap)
     if slot_cap < max(chain, 1):
         return None
     lookup = lookup_for(seq, cfg, longest)

@@ -39,7 +39,7 @@ def device_lookup(cfg: PromptLookupConfig | None) -> PromptLookupConfig | None:
     """Copies cut to what a device verify takes: at most ``MAX_WIDTH`` rows."""
     if cfg is None:
         return None
-    return dataclasses.replace(cfg, max_drafts=min(cfg.copy_max(), MAX_WIDTH - 1))
+    return dataclasses.replace(cfg, max_drafts=min(cfg.max_drafts, MAX_WIDTH - 1))
 
 
 class DeviceStep:

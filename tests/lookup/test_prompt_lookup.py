@@ -266,7 +266,7 @@ def test_config_rejects_out_of_range_values_naming_the_field(field, value):
 
 def test_config_defaults_are_the_ones_the_readme_documents():
     cfg = PromptLookupConfig()
-    assert (cfg.ngram, cfg.copy_max(), cfg.max_seqs, cfg.min_match, cfg.miss_backoff) == (
+    assert (cfg.ngram, cfg.max_drafts, cfg.max_seqs, cfg.min_match, cfg.miss_backoff) == (
         4,
         8,
         8,
@@ -274,14 +274,6 @@ def test_config_defaults_are_the_ones_the_readme_documents():
         16,
     )
     assert PromptLookupConfig(ngram=10, min_match=8).effective_min_match == 10
-
-
-def test_the_budget_takes_longer_copies_unless_the_user_set_a_longest():
-    assert PromptLookupConfig().copy_max(priced=True) == 32
-    assert PromptLookupConfig(max_drafts=4).copy_max(priced=True) == 4
-    assert PromptLookupConfig(max_drafts=16).copy_max() == 16
-    with pytest.raises(ValueError, match="max_drafts"):
-        PromptLookupConfig(max_drafts=0)
 
 
 # -- longest agreement (the draft budget's copies) ---------------------------

@@ -267,13 +267,6 @@ def test_an_always_accepted_copy_grows_to_the_copy_caps_alone_and_in_a_batch() -
     assert max(widths) == 1 + BATCHED_COPY_MAX
 
 
-def test_a_lone_copy_the_user_did_not_cap_grows_past_the_fixed_rules_longest() -> None:
-    uncapped = PromptLookupConfig(ngram=2, min_match=3, miss_backoff=0)
-    engine, model = costed_engine("cpu", None, uncapped, counting=True)
-    assert generate(engine, [REPEATING], max_tokens=60) == [reference_greedy(model, REPEATING, 60)]
-    assert max(late_draft_rows(model, len(REPEATING), skip=0)) > uncapped.copy_max()
-
-
 def test_the_budget_grows_when_rows_are_nearly_free_and_shrinks_when_they_are_dear() -> None:
     mean_drafts = {}
     for cost in ("free", "dear"):
