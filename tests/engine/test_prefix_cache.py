@@ -70,6 +70,19 @@ def chains_rest(loaded: LoadedModel, home: Path, monkeypatch: pytest.MonkeyPatch
     CostCache(home, calibration_key(loaded)).store(Calibration(verify, head, 1.0))
 
 
+def count_feeds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Every feed the MTP head is given from now on: (first position, rows)."""
+    fed: list[tuple[int, int]] = []
+    feed_and_draft = MtpDrafter.feed_and_draft
+
+    def counted(self: MtpDrafter, feeds: list[DraftFeed], rows: torch.Tensor) -> object:
+        fed.extend((f.start, len(f.next_ids)) for f in feeds)
+        return feed_and_draft(self, feeds, rows)
+
+    monkeypatch.setattr(MtpDrafter, "feed_and_draft", counted)
+    return fed
+
+
 def test_one_line_at_a_time_under_auto_reuses_the_prompt_a_resting_chain_held(
     loaded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -100,14 +113,7 @@ def test_no_prompt_row_is_fed_once_no_request_is_left_to_reuse_it(
     if not loaded.mtp:
         pytest.skip("no MTP module: nothing is held back")
     chains_rest(loaded, tmp_path, monkeypatch)
-    fed: list[int] = []
-    feed_and_draft = MtpDrafter.feed_and_draft
-
-    def counted(self: MtpDrafter, feeds: list[DraftFeed], rows: torch.Tensor) -> object:
-        fed.append(rows.shape[0])
-        return feed_and_draft(self, feeds, rows)
-
-    monkeypatch.setattr(MtpDrafter, "feed_and_draft", counted)
+    fed = count_feeds(monkeypatch)
     # Fewer lines than slots: the engine reads the stream's end as it admits them.
     requests = lines(False)[:3]
     engine = Engine.from_loaded(loaded, EngineConfig(max_batch=4, draft_policy="auto"))
@@ -115,7 +121,7 @@ def test_no_prompt_row_is_fed_once_no_request_is_left_to_reuse_it(
     assert engine.stats().prefix_hits == 2
     # The first prompt, and the first line's first verified row, read while
     # the others still waited on its slot; none of the rows the others held.
-    assert sum(fed) == len(requests[0].prompt_ids) + 1
+    assert sum(rows for _, rows in fed) == len(requests[0].prompt_ids) + 1
     plain, _ = run(loaded, requests, max_batch=4, prefix_cache=False)
     assert results == plain
 
@@ -129,14 +135,7 @@ def test_a_held_prompt_no_later_line_reuses_is_never_fed(
     if not loaded.mtp:
         pytest.skip("no MTP module: nothing is held back")
     chains_rest(loaded, tmp_path, monkeypatch)
-    fed: list[int] = []
-    feed_and_draft = MtpDrafter.feed_and_draft
-
-    def counted(self: MtpDrafter, feeds: list[DraftFeed], rows: torch.Tensor) -> object:
-        fed.append(rows.shape[0])
-        return feed_and_draft(self, feeds, rows)
-
-    monkeypatch.setattr(MtpDrafter, "feed_and_draft", counted)
+    fed = count_feeds(monkeypatch)
     params = SamplingParams(max_tokens=6)
     requests = [Request(str(i), tuple(range(10 + 20 * i, 30 + 20 * i)), params) for i in range(4)]
     engine = Engine.from_loaded(loaded, EngineConfig(max_batch=1, draft_policy="auto"))
@@ -157,14 +156,7 @@ def test_a_held_prompt_is_fed_only_as_far_as_the_next_line_reuses_it(
     if not loaded.mtp:
         pytest.skip("no MTP module: nothing is held back")
     chains_rest(loaded, tmp_path, monkeypatch)
-    fed: list[tuple[int, int]] = []  # (first position, rows) of every feed
-    feed_and_draft = MtpDrafter.feed_and_draft
-
-    def counted(self: MtpDrafter, feeds: list[DraftFeed], rows: torch.Tensor) -> object:
-        fed.extend((f.start, len(f.next_ids)) for f in feeds)
-        return feed_and_draft(self, feeds, rows)
-
-    monkeypatch.setattr(MtpDrafter, "feed_and_draft", counted)
+    fed = count_feeds(monkeypatch)
     params = SamplingParams(max_tokens=6)
     first = Request("0", tuple(SHARED + list(range(80, 110))), params)
     second = Request("1", (*SHARED, 50), params)
