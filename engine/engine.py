@@ -34,6 +34,7 @@ from metrale.engine.kernels.binding import packed_kernel
 from metrale.engine.load.home import metrale_home
 from metrale.engine.logprobs import TokenBytes
 from metrale.engine.prefix_cache import PrefixCache, copiers
+from metrale.engine.runtime.device import processor_name
 from metrale.engine.runtime.model import Model, MtpModule
 from metrale.engine.sampling import noise_key
 from metrale.engine.sequence import Decode, SeqState, error_result
@@ -399,8 +400,9 @@ class Engine:
 
 def calibration_key(loaded: LoadedModel) -> dict[str, str]:
     """What a calibration is valid for: the model and its weights as loaded,
-    where and in which dtype they run, on how many threads, and with which
-    build of the C kernels (a faster kernel prices rows differently)."""
+    where (and on which processor: a home directory may move between
+    machines) and in which dtype they run, on how many threads, and with
+    which build of the C kernels (a faster kernel prices rows differently)."""
     info = loaded.info
     return {
         "model": loaded.name,
@@ -409,6 +411,7 @@ def calibration_key(loaded: LoadedModel) -> dict[str, str]:
         "parameters": str(info.parameters),
         "mtp": f"{info.mtp_layout}:{info.mtp_count}:{info.mtp_head}",
         "device": info.device,
+        "processor": processor_name(info.device),
         "dtype": info.dtype,
         "threads": str(torch.get_num_threads()),
         "slots": str(info.num_slots),

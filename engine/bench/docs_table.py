@@ -17,6 +17,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from metrale.engine.runtime.device import cpu_info
+
 STAMP_PREFIX = "Machine:"
 PLACEHOLDER = "No stamped figures yet."
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -34,16 +36,7 @@ def stamp() -> str:
 def machine() -> str:
     """``N-core MODEL``, with ``VM`` under a hypervisor and ``(AVX-512)`` when
     the CPU has it (the packed kernel's widest path), from ``/proc/cpuinfo``."""
-    model, flags = "unknown CPU", set[str]()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown CPU":
-                model = " ".join(value.split())
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
+    model, flags = cpu_info()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     vm = " VM" if "hypervisor" in flags else ""
     avx512 = " (AVX-512)" if "avx512f" in flags else ""

@@ -15,6 +15,8 @@ for token.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 CPU_DEFAULT_DTYPE = torch.float32
@@ -42,3 +44,26 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def cpu_info() -> tuple[str, set[str]]:
+    """This CPU's model name and feature flags, from ``/proc/cpuinfo``
+    (``"unknown CPU"`` and no flags where it cannot be read)."""
+    model, flags = "unknown CPU", set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = " ".join(value.split())
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def processor_name(device: str) -> str:
+    """The processor a device names: a GPU's model, or the CPU's."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return cpu_info()[0]

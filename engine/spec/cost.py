@@ -41,11 +41,11 @@ Contract:
   would otherwise never measure the head. A cache lacking either table is
   measured again whole; a run with no head keeps the head's stored figures,
   so its ``save`` does not drop them. ``CostCache`` keeps the result in
-  ``METRALE_HOME`` under a key naming the model, its weights, device, dtype
-  and thread count, so a later run on the same set-up starts from it, and a
-  run with another thread count or dtype does not reuse it. A run stores its
-  costs again as it ends (``save``), so a calibration taken on a busy moment
-  heals.
+  ``METRALE_HOME`` under a key naming the model, its weights, device,
+  processor, dtype and thread count, so a later run on the same set-up
+  starts from it, and a run with another thread count or dtype does not
+  reuse it. A run stores its costs again as it ends (``save``), so a
+  calibration taken on a busy moment heals.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import torch
 from metrale.engine.config import RuntimeConfig
 from metrale.engine.engine import calibration_key
 from metrale.engine.load.loader import load_model
+from metrale.engine.runtime.device import cpu_info
 from metrale.engine.spec.cost import CostCache, CostModel, RunningCosts, bucket
 from tests.support.checkpoints import write_tiny_checkpoint
 from tests.support.fake_model import (
@@ -171,11 +172,14 @@ def test_a_calibration_is_reused_only_by_the_same_model_device_dtype_and_threads
         calls.clear()
 
 
-def test_the_calibration_key_names_threads_and_dtype(tmp_path: Path) -> None:
+def test_the_calibration_key_names_threads_dtype_and_processor(tmp_path: Path) -> None:
     folder = write_tiny_checkpoint(tmp_path / "tiny", "llama")
     loaded = load_model(folder, RuntimeConfig(device="cpu", num_slots=2, max_len=64))
     key = calibration_key(loaded)
     assert key["dtype"] == "float32" and key["threads"] == "1"
+    # A home directory moved to another machine does not price its rows
+    # by this one's calibration.
+    assert key["processor"] == cpu_info()[0]
     torch.set_num_threads(2)
     try:
         assert calibration_key(loaded)["threads"] == "2"
