@@ -190,15 +190,13 @@ class MtpDrafter:
         if owed is None:
             return
         feed, hidden = owed
-        cut = min(rows + len(self.modules) - 1, feed.end) - feed.start
-        if cut > 0:
+        cut = max(min(rows + len(self.modules) - 1, feed.end) - feed.start, 0)
+        if cut:
             head = dataclasses.replace(feed, next_ids=feed.next_ids[:cut])
             self.feed_and_draft([head], hidden[:cut])
         if cut < len(feed.next_ids):
-            rest = dataclasses.replace(
-                feed, start=feed.start + max(cut, 0), next_ids=feed.next_ids[max(cut, 0) :]
-            )
-            self._owed[slot] = rest, hidden[max(cut, 0) :]
+            rest = dataclasses.replace(feed, start=feed.start + cut, next_ids=feed.next_ids[cut:])
+            self._owed[slot] = rest, hidden[cut:]
 
     def forget(self, slot: int) -> None:
         """Drops what ``slot`` owes: another sequence writes over its rows."""
