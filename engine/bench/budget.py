@@ -4,10 +4,13 @@
 loads the default model (or ``--model``), once per configuration, and, per
 workload (default: the sample workloads), at batch 1 (the first ``--single``
 requests, one at a time) and at ``--batch`` (the first that many together),
-times five configurations, ``--repeats`` rounds at batch 1 and
+times five configurations, at least ``--repeats`` rounds at batch 1 and
 ``--batch-repeats`` at ``--batch`` (a batch row takes a fifth of a batch-1
-row's time, and the rounds' drift weighs on its few seconds more), after an
-untimed warm-up of each:
+row's time, and the rounds' drift weighs on its few seconds more), then more
+until each configuration of the row ran ``--min-seconds`` in all, at most
+``--max-rounds`` (a row of runs of a second or two needs many rounds for a
+median that a row of long runs gets from three), after an untimed warm-up
+of each:
 
 - no drafts; copies only; MTP only; MTP + copies: the fixed policy (the
   ladder and copy windows, ``--draft-policy fixed``);
@@ -142,9 +145,13 @@ def bench_workload(
     requests: Sequence[Request],
     batch: int,
     repeats: int,
+    min_seconds: float = 0.0,
+    max_rounds: int = 0,
 ) -> dict[str, list[float]]:
-    """Tokens/s per configuration, round by round; raises on any output
-    difference."""
+    """Tokens/s per configuration, round by round: ``repeats`` rounds, then
+    more until every configuration ran ``min_seconds`` in all, at most
+    ``max_rounds`` (a row of short runs takes more rounds, so that its
+    median is as steady as a long row's). Raises on any output difference."""
     configs = {k: EngineConfig(max_batch=batch, **v) for k, v in CONFIGS.items()}  # type: ignore[arg-type]
     expected: dict[str, Outputs] = {}
 
@@ -155,9 +162,14 @@ def bench_workload(
 
     for key in configs:  # untimed warm-ups
         warm_up(models[key], configs[key], requests[0])
-    by_round = []
-    for r in range(repeats):
-        by_round.append(step_by_step(models, configs, requests, batch == 1, r))
+    by_round: list[dict[str, tuple[float, Outputs]]] = []
+    spent = dict.fromkeys(configs, 0.0)
+    while len(by_round) < repeats or (
+        len(by_round) < max_rounds and min(spent.values()) < min_seconds
+    ):
+        by_round.append(step_by_step(models, configs, requests, batch == 1, len(by_round)))
+        for key, (seconds, _) in by_round[-1].items():
+            spent[key] += seconds
     return {key: [rate(key, *measured[key]) for measured in by_round] for key in configs}
 
 
@@ -172,6 +184,7 @@ class Summary:
     best: str
     ratio: float
     paired: float
+    rounds: int = 0
 
 
 def summarise(rounds: dict[str, list[float]]) -> Summary:
@@ -179,7 +192,7 @@ def summarise(rounds: dict[str, list[float]]) -> Summary:
     rates = {key: statistics.median(values) for key, values in rounds.items()}
     best = max(FIXED, key=lambda k: rates[k])
     paired = statistics.median(a / b for a, b in zip(rounds["auto"], rounds[best], strict=True))
-    return Summary(rates, best, rates["auto"] / rates[best], paired)
+    return Summary(rates, best, rates["auto"] / rates[best], paired, len(rounds["auto"]))
 
 
 Row = tuple[str, int, Summary]  # workload, batch, figures
@@ -202,7 +215,9 @@ def bench_paths(
             shapes = shapes[:1] if args.batch_one == "only" else shapes[1:]
         for batch, subset in shapes:
             repeats = args.repeats if batch == 1 else args.batch_repeats
-            rounds = bench_workload(models, path.stem, subset, batch, repeats)
+            rounds = bench_workload(
+                models, path.stem, subset, batch, repeats, args.min_seconds, args.max_rounds
+            )
             rows.append((path.stem, batch, summarise(rounds)))
             print(table_lines(rows[-1:])[-1], flush=True)
             if args.rounds_json is not None:
@@ -213,12 +228,21 @@ def bench_paths(
 
 def table_lines(rows: Sequence[Row]) -> list[str]:
     """The docs table: a header, then one line per row."""
-    columns = ["workload", "batch", *CONFIGS, "auto / best fixed", "paired", "best fixed"]
+    columns = [
+        "workload",
+        "batch",
+        "rounds",
+        *CONFIGS,
+        "auto / best fixed",
+        "paired",
+        "best fixed",
+    ]
     lines = [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
     for name, batch, row in rows:
         cells = " | ".join(f"{row.rates[k]:.1f}" for k in CONFIGS)
         lines.append(
-            f"| {name} | {batch} | {cells} | {row.ratio:.3f}x | {row.paired:.3f}x | {row.best} |"
+            f"| {name} | {batch} | {row.rounds} | {cells} | {row.ratio:.3f}x "
+            f"| {row.paired:.3f}x | {row.best} |"
         )
     return lines
 
@@ -253,6 +277,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--single", type=int, default=8, help="requests decoded at batch 1")
     parser.add_argument("--repeats", type=int, default=3, help="rounds at batch 1")
     parser.add_argument("--batch-repeats", type=int, default=5, help="rounds at --batch")
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=15.0,
+        help="more rounds until each configuration of a row ran this long in all",
+    )
+    parser.add_argument("--max-rounds", type=int, default=12, help="the most rounds of a row")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--batch-one", choices=("yes", "no", "only"), default="yes")
     parser.add_argument(
@@ -275,8 +306,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"at most {args.max_tokens} tokens a line" if args.max_tokens else "each line's max_tokens"
     )
     settings = (
-        f"{args.repeats} rounds at batch 1 (the first {args.single} lines, one at a time), "
-        f"{args.batch_repeats} at batch {args.batch} (the first {args.batch} together); {tokens}."
+        f"At least {args.repeats} rounds at batch 1 (the first {args.single} lines, one at a "
+        f"time), {args.batch_repeats} at batch {args.batch} (the first {args.batch} together), "
+        f"more until each configuration of a row ran {args.min_seconds:g} s in all, at most "
+        f"{max(args.max_rounds, args.repeats, args.batch_repeats)}; {tokens}."
     )
     figures = [stamp(), settings, "\n".join(table_lines(rows))]
     write_section(args.docs, "bench-budget", "\n\n".join(figures))

@@ -133,6 +133,33 @@ def test_a_row_rates_every_round_and_stops_on_an_output_difference(
         bench_workload(models, "set", requests, 16, 3)
 
 
+def test_a_row_of_short_runs_takes_rounds_until_each_configuration_ran_long_enough(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At least ``repeats`` rounds, then more until every configuration's
+    seconds add up to ``min_seconds``, never more than ``max_rounds``."""
+    seconds = {key: 1.0 for key in budget.CONFIGS} | {"copies": 0.5}
+
+    def round_(models: object, configs: object, requests: object, one: bool, r: int) -> object:
+        return {key: (seconds[key], {"0": (1, 2)}) for key in budget.CONFIGS}
+
+    monkeypatch.setattr(budget, "warm_up", lambda *args: None)
+    monkeypatch.setattr(budget, "step_by_step", round_)
+    models = cast(dict[str, LoadedModel], dict.fromkeys(budget.CONFIGS))
+    requests = [Request("0", (1, 2), SamplingParams(max_tokens=2))]
+
+    def rounds(repeats: int, min_seconds: float, max_rounds: int) -> int:
+        rates = bench_workload(models, "set", requests, 16, repeats, min_seconds, max_rounds)
+        return len(rates["auto"])
+
+    assert rounds(3, 0.0, 12) == 3
+    assert rounds(3, 4.0, 12) == 8  # copies, the quickest, ran 0.5 s a round
+    assert rounds(3, 100.0, 12) == 12
+    assert rounds(5, 100.0, 4) == 5  # the fewest rounds stand above the most
+    row = summarise({key: [float(r + 1) for r in range(7)] for key in budget.CONFIGS})
+    assert row.rounds == 7
+
+
 def test_the_readme_summary_spreads_each_batch_sizes_ratios_over_its_workloads() -> None:
     def row(ratio: float) -> Summary:
         return Summary({}, "copies", ratio, ratio)
