@@ -150,6 +150,7 @@ class DraftBudget:
         self._steps = 0
         self.planned = 0  # plans made
         self._plan: Plan | None = None
+        self._plan_seqs = 0  # the sequences the last plan priced
 
     def for_seq(self, seq: SeqState) -> SeqBudget:
         """A sequence's budget; its chain unvalued until it first runs
@@ -167,9 +168,10 @@ class DraftBudget:
         """What ``seq``'s chain is expected to add a step before it was valued
         (``SeqBudget.chain_value``), in tokens: its first draft's worth less
         the time of its verify row at the current rate (the plan's own
-        pricing; before the first plan, at the rate of a step of ``live``
-        rows), read per confidence bin at the sequence's own acceptance there
-        (its estimate over the run's) and weighed by how often the run's
+        pricing; before the first plan, or where the last priced fewer
+        sequences than ``live``, at the rate of a step of ``live`` rows),
+        read per confidence bin at the sequence's own acceptance there (its
+        estimate over the run's) and weighed by how often the run's
         first drafts fell in that bin. The plan verifies a draft only where
         it is worth its row, so a bin worth less adds nothing. Before any
         first draft was scored: the sequence's first-draft estimate less its row."""
@@ -177,8 +179,9 @@ class DraftBudget:
         return first_draft_worth(self.for_seq(seq).rates, row, shares)
 
     def chain_rate(self, live: int) -> float:
-        """The rate that prices a chain, in tokens/s: the last plan's, or
-        before the first plan a step of ``live`` rows'."""
+        """The rate that prices a chain, in tokens/s: the last plan's, or a
+        step of ``live`` rows' before the first plan or where the last
+        priced fewer sequences than ``live``."""
         return self._first_draft_terms(live)[0]
 
     def _first_draft_terms(self, live: int) -> tuple[float, float, list[tuple[int, float]]]:
@@ -186,7 +189,10 @@ class DraftBudget:
         (``chain_rate``), a first draft's verify row in tokens at that rate,
         and the share of the run's scored first drafts per confidence bin
         (``[]`` before any)."""
-        planned = self.planned > 0
+        # The last plan's prices, unless it priced fewer sequences than share
+        # the steps to come (the first of a batch to decode, its others
+        # still reading their prompts): then a step of ``live`` rows'.
+        planned = self.planned > 0 and self._plan_seqs >= live
         key = (
             (self.rate_s, self.marginal_s, self.rates.observed)
             if planned
@@ -249,7 +255,7 @@ class DraftBudget:
 
     def _made(self, plan: Plan, seqs: int) -> None:
         """Keeps ``plan`` as the step's, and the rate it prices rows at."""
-        self._plan = plan
+        self._plan, self._plan_seqs = plan, seqs
         self.planned += 1
         self.rate_s = plan.rate
         self.marginal_s = self.marginal(plan.rows, seqs)

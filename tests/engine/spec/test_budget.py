@@ -112,6 +112,30 @@ def test_a_chain_not_valued_yet_is_priced_by_its_first_drafts_confidence() -> No
     assert first_draft_worth(rates, row, shares) == pytest.approx(0.5 * (0.9 - 0.25), abs=0.02)
 
 
+def test_a_chain_is_priced_at_the_batch_to_come_not_at_a_smaller_last_plan() -> None:
+    # The first sequence of a batch plans alone (one row at 10 ms, a second
+    # nearly free); fifteen more complete their prompts before the next
+    # step, where a row costs 1.25 ms of a 20 ms step of sixteen. Priced at
+    # the lone plan's rate and row, their chains would look worth starting.
+    costs = CostModel(FakeClock())
+    for rows, seconds in ((1, 0.010), (2, 0.0101), (16, 0.020), (32, 0.040)):
+        costs.verify.observe(rows, seconds)
+    budget = DraftBudget(costs)
+    seqs = [
+        SeqState(Request(str(i), (1, 2), SamplingParams()), i, 64, frozenset(), None, None)
+        for i in range(16)
+    ]
+    unplanned = budget.predicted_value(seqs[1], 16)
+    budget.plan_sure(1, 1)  # the first sequence's step
+    assert budget.predicted_value(seqs[1], 1) > 0.45  # the lone step's row is nearly free
+    assert budget.predicted_value(seqs[1], 16) == pytest.approx(unplanned)
+    assert unplanned < 0.0  # at sixteen a first draft at the prior does not pay its row
+    budget.plan_sure(16, 16)  # a plan of sixteen prices sixteen
+    assert budget.predicted_value(seqs[1], 16) == pytest.approx(
+        0.5 - budget.rate_s * budget.marginal_s
+    )
+
+
 def test_a_step_with_nothing_to_offer_moves_the_prices_as_its_plan_would() -> None:
     # ``plan_sure`` stands for a plan of candidates with neither a chain nor
     # a copy: three sequences, one with two forced drafts (5 sure rows).
