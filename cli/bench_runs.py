@@ -53,6 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from metrale.engine.bench.docs_table import stamp, write_section
+from metrale.engine.bench.rounds import Rounds as RoundsRule
+from metrale.engine.bench.rounds import add_round_options
 
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = ("short_answers", "log_summaries", "chat_tasks", "code_gen")
@@ -220,21 +222,13 @@ class Job:
         return run_once([*self.argv, *CONFIGS[key]], self.work)
 
 
-@dataclass(frozen=True)
-class Rounds:
-    """How many rounds a row runs (module doc)."""
-
-    least: int
-    most: int
-    min_seconds: float
+class Rounds(RoundsRule):
+    """How many rounds a row runs (module doc, ``engine/bench/rounds.py``)."""
 
     def more_rounds(self, runs: dict[str, list[Run]]) -> bool:
         """Whether a row that ran ``runs`` so far takes another round."""
-        done = len(runs["auto"])
-        if done < self.least:
-            return True
-        spent = min(sum(run.process_s for run in row) for row in runs.values())
-        return done < self.most and spent < self.min_seconds
+        spent = [sum(run.process_s for run in row) for row in runs.values()]
+        return self.more(len(runs["auto"]), spent)
 
 
 def bench_row(job: Job, name: str, rounds: Rounds) -> dict[str, list[Run]]:
@@ -272,13 +266,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workloads", nargs="*", type=Path, help="default: the held-out sets")
     parser.add_argument("--rounds", type=int, default=3, help="the fewest rounds of a row")
-    parser.add_argument(
-        "--min-seconds",
-        type=float,
-        default=60.0,
-        help="more rounds until each configuration of a row ran this long in all",
-    )
-    parser.add_argument("--max-rounds", type=int, default=12, help="the most rounds of a row")
+    add_round_options(parser, min_seconds=60.0)
     parser.add_argument("--batches", default="1,16", help="--max-batch values, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=None, help="default: each line's own")
     parser.add_argument("--prompts", type=int, default=16, help="first lines of each workload")

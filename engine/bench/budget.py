@@ -61,6 +61,7 @@ from pathlib import Path
 
 from metrale.engine.api import Request, Result, SamplingParams
 from metrale.engine.bench.docs_table import stamp, write_section
+from metrale.engine.bench.rounds import Rounds, add_round_options
 from metrale.engine.config import EngineConfig, RuntimeConfig
 from metrale.engine.engine import Engine
 from metrale.engine.load.loader import LoadedModel, load_model
@@ -164,9 +165,8 @@ def bench_workload(
         warm_up(models[key], configs[key], requests[0])
     by_round: list[dict[str, tuple[float, Outputs]]] = []
     spent = dict.fromkeys(configs, 0.0)
-    while len(by_round) < repeats or (
-        len(by_round) < max_rounds and min(spent.values()) < min_seconds
-    ):
+    rounds = Rounds(repeats, max_rounds, min_seconds)
+    while rounds.more(len(by_round), spent.values()):
         by_round.append(step_by_step(models, configs, requests, batch == 1, len(by_round)))
         for key, (seconds, _) in by_round[-1].items():
             spent[key] += seconds
@@ -277,13 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--single", type=int, default=8, help="requests decoded at batch 1")
     parser.add_argument("--repeats", type=int, default=3, help="rounds at batch 1")
     parser.add_argument("--batch-repeats", type=int, default=5, help="rounds at --batch")
-    parser.add_argument(
-        "--min-seconds",
-        type=float,
-        default=15.0,
-        help="more rounds until each configuration of a row ran this long in all",
-    )
-    parser.add_argument("--max-rounds", type=int, default=12, help="the most rounds of a row")
+    add_round_options(parser, min_seconds=15.0)
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--batch-one", choices=("yes", "no", "only"), default="yes")
     parser.add_argument(
