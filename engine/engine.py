@@ -26,23 +26,19 @@ import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from metrale.engine.api import Grammar, Request, Result
+from metrale.engine.api import Request, Result
 from metrale.engine.config import EngineConfig
-from metrale.engine.kernels.binding import packed_kernel
-from metrale.engine.load.home import metrale_home
 from metrale.engine.logprobs import TokenBytes
 from metrale.engine.prefix_cache import PrefixCache, copiers
-from metrale.engine.runtime.device import processor_name
 from metrale.engine.runtime.model import Model, MtpModule
 from metrale.engine.sampling import noise_key
 from metrale.engine.sequence import Decode, SeqState, error_result
 from metrale.engine.spec.auto import AutoPolicy
+from metrale.engine.spec.calibration import calibration_cache
 from metrale.engine.spec.copies import lookup_of
-from metrale.engine.spec.cost import CostCache, CostModel
-from metrale.engine.spec.grammar import GrammarCompiler, GrammarError
-from metrale.engine.spec.matcher import GrammarMatcher
+from metrale.engine.spec.cost import CostModel
+from metrale.engine.spec.grammar import GrammarCompiler
+from metrale.engine.spec.matcher import ModelGrammars
 from metrale.engine.spec.policy import DraftPolicy, FixedPolicy
 from metrale.engine.stats import EngineStats, RunCounters
 from metrale.engine.step import Queues, Step, StepTimes
@@ -89,11 +85,8 @@ class Engine:
         self.model = model
         self.config = config
         self._decode = _as_decode(tokenizer)
-        self._tokenizer = tokenizer
         # The bytes of the tokens a result's logprobs name.
         self._token_bytes = TokenBytes(tokenizer, self._decode).spell if self._decode else None
-        self._grammars = grammars
-        self._grammars_problem: str | None = None
         mtp = mtp if config.mtp else ()
         device = device_verify_for(model, mtp, config)
         lookup = config.prompt_lookup if device is None else device_lookup(config.prompt_lookup)
@@ -109,6 +102,7 @@ class Engine:
             drafter = self.policy.make_drafter(mtp, config.mtp_min_prob)
         self._drafter = drafter
         self._eos = frozenset(eos_token_ids)
+        self._grammars = ModelGrammars(tokenizer, model.vocab_size, self._eos, grammars)
         self._scope_fields = (model_name, tokenizer_name, adapter)
         self._num_slots = min(model.num_slots, config.max_batch)
         self._max_len = model.max_len
@@ -149,7 +143,7 @@ class Engine:
         tokenizer_name = getattr(loaded.tokenizer, "name_or_path", "") or loaded.name
         costs = None
         if config.draft_policy == "auto":
-            costs = CostModel(cache=CostCache(metrale_home(), calibration_key(loaded)))
+            costs = CostModel(cache=calibration_cache(loaded))
         return cls(
             loaded.model,
             loaded.tokenizer,
@@ -274,17 +268,16 @@ class Engine:
         while self._free_slots and self._queues.waiting:
             request = self._queues.waiting.popleft()
             params = request.params
-            source = None
+            reuse = None
             if prefixes is None:
                 slot = self._free_slots.pop()
             else:
-                slot, source = prefixes.choose_slot(request.prompt_ids, self._free_slots)
+                slot, reuse = prefixes.choose_slot(request.prompt_ids, self._free_slots)
                 if self._drafter is not None:
                     # The source's owed rows are read as far as they are
                     # reused; the slot's old ones are written over.
-                    if source is not None:
-                        reused = prefixes.reused(request.prompt_ids, source)
-                        self._drafter.pay(source.slot, reused)
+                    if reuse is not None:
+                        self._drafter.pay(reuse.source.slot, reuse.length)
                     self._drafter.forget(slot)
             seq = SeqState(
                 request=request,
@@ -293,13 +286,13 @@ class Engine:
                 eos_ids=self._eos | frozenset(params.eos_token_ids),
                 scope=self._scope_key(request),
                 noise_key=noise_key(params, request.choice),
-                grammar=self._matcher(request.grammar),
+                grammar=self._grammars.matcher(request.grammar),
                 verify_rows=self._verify_rows,
                 head_rows=0 if self._drafter is not None else None,
             )
             self._counters.prompt_tokens += len(request.prompt_ids)
             self._counters.admitted += 1
-            if prefixes is None or prefixes.admit(seq, source):
+            if prefixes is None or prefixes.admit(seq, reuse):
                 self._join(seq)
 
     def _attach_ready(self) -> None:
@@ -351,38 +344,13 @@ class Engine:
                 f"model's {self._max_len} positions per sequence; shorten the prompt, "
                 f"lower max_tokens or raise the context length"
             )
-        problem = self._path.rejection(request)
-        if problem is None and request.grammar is not None:
-            problem = self._grammar_rejection(request)
-        return problem
-
-    def _grammar_rejection(self, request: Request) -> str | None:
-        """Why a request's grammar cannot run here (no binding for this
-        tokenizer, a stop string beside it, a grammar that does not compile)."""
-        if request.params.stop:
-            return "stop strings cannot be combined with a grammar (they would cut the output)"
-        if self._grammars is None and self._grammars_problem is None:
-            vocab, eos = self.model.vocab_size, sorted(self._eos)
-            try:
-                self._grammars = GrammarCompiler.for_tokenizer(self._tokenizer, vocab, eos)
-            except GrammarError as exc:
-                self._grammars_problem = str(exc)
-        if self._grammars is None:
-            return self._grammars_problem
-        assert request.grammar is not None
-        return self._grammars.problem(request.grammar)
+        return self._path.rejection(request) or self._grammars.rejection(request)
 
     def _scope_key(self, request: Request) -> ScopeKey | None:
         if self._shared is None or request.scope is None:
             return None
         model, tokenizer, adapter = self._scope_fields
         return ScopeKey(model=model, tokenizer=tokenizer, adapter=adapter, tenant=request.scope)
-
-    def _matcher(self, grammar: Grammar | None) -> GrammarMatcher | None:
-        if grammar is None:
-            return None
-        assert self._grammars is not None, "_rejection bound the grammar engine"
-        return GrammarMatcher(self._grammars.start(grammar), self._grammars.vocab_size)
 
     def _publish(self, final: bool = False) -> None:
         queues = self._queues
@@ -398,27 +366,6 @@ class Engine:
         )
 
 
-def calibration_key(loaded: LoadedModel) -> dict[str, str]:
-    """What a calibration is valid for: the model and its weights as loaded,
-    where (and on which processor: a home directory may move between
-    machines) and in which dtype they run, on how many threads, and with
-    which build of the C kernels (a faster kernel prices rows differently)."""
-    info = loaded.info
-    return {
-        "model": loaded.name,
-        "source": info.source,
-        "weights": info.weights,
-        "parameters": str(info.parameters),
-        "mtp": f"{info.mtp_layout}:{info.mtp_count}:{info.mtp_head}",
-        "device": info.device,
-        "processor": processor_name(info.device),
-        "dtype": info.dtype,
-        "threads": str(torch.get_num_threads()),
-        "slots": str(info.num_slots),
-        "kernels": _kernel_build(info.weights),
-    }
-
-
 def _prefix_cache(
     model: Model, mtp: Sequence[MtpModule], config: EngineConfig, num_slots: int, device: bool
 ) -> PrefixCache | None:
@@ -432,11 +379,6 @@ def _prefix_cache(
         return None
     lag = (1 if device else len(mtp)) if mtp else 0
     return PrefixCache(found, num_slots, lag, device)
-
-
-def _kernel_build(weights: str) -> str:
-    kernel = packed_kernel() if weights.startswith("packed") else None
-    return kernel.build if kernel is not None else "none"
 
 
 def _as_decode(tokenizer: Any) -> Decode | None:

@@ -60,6 +60,14 @@ def copiers(model: Model, mtp: Sequence[MtpModule]) -> list[CopiesPrefixes] | No
 
 
 @dataclass(frozen=True)
+class Reuse:
+    """The ``length`` leading rows a request reuses from ``source``'s slot."""
+
+    source: SeqState
+    length: int
+
+
+@dataclass(frozen=True)
 class Attach:
     """A request waiting for ``source`` to hold ``length`` final rows."""
 
@@ -88,9 +96,9 @@ class PrefixCache:
         self.attached: dict[int, Attach] = {}  # by the waiting sequence's id()
         self.waiting: list[SeqState] = []  # in admission order
 
-    def choose_slot(self, prompt: Sequence[int], free: list[int]) -> tuple[int, SeqState | None]:
+    def choose_slot(self, prompt: Sequence[int], free: list[int]) -> tuple[int, Reuse | None]:
         """The slot a request with ``prompt`` takes from ``free`` (removed
-        from it), and the sequence it reuses a prefix of (None: none)."""
+        from it), and the prefix it reuses (None: none)."""
         self.clock += 1
         best, best_shared = None, 0
         for slot, held in enumerate(self.content):
@@ -99,7 +107,8 @@ class PrefixCache:
             shared = _shared(prompt, held.history, _reach(held))
             if shared > best_shared or (shared == best_shared and slot in free):
                 best, best_shared = slot, shared
-        if best is not None and self._reuse(best_shared, len(prompt)) == 0:
+        length = self._reuse(best_shared, len(prompt))
+        if length == 0:
             best = None
         if best is not None and best in free and not (self.lowest_first and best != min(free)):
             slot = best
@@ -108,24 +117,23 @@ class PrefixCache:
         else:
             slot = min(free, key=lambda s: self.used[s])
         free.remove(slot)
-        source = self.content[best] if best is not None else None
-        if best is not None:
-            self.used[best] = self.clock
-        return slot, source
+        if best is None:
+            return slot, None
+        self.used[best] = self.clock
+        source = self.content[best]
+        assert source is not None
+        return slot, Reuse(source, length)
 
-    def reused(self, prompt: Sequence[int], source: SeqState) -> int:
-        """The rows a request with ``prompt`` reuses from ``source`` (0: none)."""
-        return self._reuse(_shared(prompt, source.history, _reach(source)), len(prompt))
-
-    def admit(self, seq: SeqState, source: SeqState | None) -> bool:
-        """Takes ``seq`` into its slot; true when it may go to the step now,
-        false when it waits for its source (``ready`` hands it back)."""
+    def admit(self, seq: SeqState, reuse: Reuse | None) -> bool:
+        """Takes ``seq`` into its slot, reusing the prefix ``choose_slot``
+        found; true when it may go to the step now, false when it waits for
+        its source (``ready`` hands it back)."""
         previous = self.content[seq.slot]
         self.content[seq.slot] = seq
         self.used[seq.slot] = self.clock
-        if source is None:
+        if reuse is None:
             return True
-        length = self.reused(seq.request.prompt_ids, source)
+        source, length = reuse.source, reuse.length
         if source is previous:  # its own slot holds the prefix: nothing to copy
             self._start(seq, min(length, _final_rows(source)))
             return True

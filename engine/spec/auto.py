@@ -47,6 +47,7 @@ import torch
 from metrale.engine.config import MtpLadder
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.budget import Candidates, DraftBudget
+from metrale.engine.spec.calibration import calibrate_model
 from metrale.engine.spec.constrained import forced_of
 from metrale.engine.spec.copies import (
     CopyTaken,
@@ -55,7 +56,7 @@ from metrale.engine.spec.copies import (
     lookup_of,
     propose_copy,
 )
-from metrale.engine.spec.cost import CostModel, calibrate_model
+from metrale.engine.spec.cost import CostModel
 from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 from metrale.engine.spec.policy import Feed
 from metrale.engine.spec.rest import HOLD_MAX, ChainRest

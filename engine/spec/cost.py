@@ -38,36 +38,23 @@ Contract:
 - ``calibrate`` warm-starts ``verify`` from a few forwards at chosen widths,
   and, when the run has a head, ``head`` from a few drafter calls feeding 1,
   2, 4... sequences a row each: a run whose chains rest from the start
-  would otherwise never measure the head. A cache lacking either table is
-  measured again whole; a run with no head keeps the head's stored figures,
-  so its ``save`` does not drop them. ``CostCache`` keeps the result in
-  ``METRALE_HOME`` under a key naming the model, its weights, device,
-  processor, dtype and thread count, so a later run on the same set-up
-  starts from it, and a run with another thread count or dtype does not
-  reuse it. A run stores its costs again as it ends (``save``), so a
-  calibration taken on a busy moment heals.
+  would otherwise never measure the head. The figures come from a
+  ``CostCache`` (``calibration.py``) when it holds them for this set-up; a
+  cache lacking either table is measured again whole, and a run with no
+  head keeps the head's stored figures, so its ``save`` does not drop them.
+  A run stores its costs again as it ends (``save``), so a calibration
+  taken on a busy moment heals.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
-import hashlib
 import itertools
-import json
-import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-import torch
-
-from metrale.engine.api import Request, SamplingParams
-from metrale.engine.runtime.model import Segment
-from metrale.engine.sequence import SeqState
-from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
+from metrale.engine.spec.calibration import Calibration, CostCache
 
 # How far a new measurement moves its bucket's estimate, and the most a
 # single one counts for, as a multiple of the estimate.
@@ -84,10 +71,6 @@ HELD_CALIBRATION_ROWS = 16
 SEEDED_HELD_ROWS = CALIBRATION_FEEDS[-1] * (HELD_CALIBRATION_ROWS - 1)
 # Buckets are exact up to this many rows; wider verifies are priced by a line.
 FINE_ROWS = 16
-# Raised whenever the stored figures change meaning (2: the head's beside the
-# verify's; 3: a held row's beside the head's; 4: a held row's as a sum, so
-# that the figures stuck low under format 3 are measured again).
-CACHE_FORMAT = 4
 
 Clock = Callable[[], float]
 
@@ -341,109 +324,3 @@ def _better_of_two(clock: Clock, call: Callable[[], int | None]) -> tuple[float,
         result = call()
         best = min(best, clock() - began)
     return best, result
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Stored costs: seconds by verify rows, by sequences a head forward
-    feeds, and what a held row adds to it (None: not measured)."""
-
-    verify_s: Mapping[int, float]
-    head_s: Mapping[int, float]
-    held_row_s: float | None = None
-
-
-class CostCache:
-    """A calibration on disk: ``<home>/calibration/<hash of key>.json``, which
-    also holds the key itself, checked on reading (module doc)."""
-
-    def __init__(self, home: Path, key: Mapping[str, str]) -> None:
-        self.key = {"format": str(CACHE_FORMAT), **{k: str(v) for k, v in key.items()}}
-        text = json.dumps(self.key, sort_keys=True)
-        digest = hashlib.sha256(text.encode()).hexdigest()[:20]
-        self.path = home / "calibration" / f"{digest}.json"
-
-    def load(self) -> Calibration | None:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(data, dict) or data.get("key") != self.key:
-            return None
-        try:
-            held = data.get("held_row_s")
-            return Calibration(
-                {int(k): float(v) for k, v in data["verify_s"].items()},
-                {int(k): float(v) for k, v in data["head_s"].items()},
-                None if held is None else float(held),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return None
-
-    def store(self, costs: Calibration) -> None:
-        """Writes atomically; a home that cannot be written is left alone
-        (the next run calibrates again)."""
-        data = {
-            "key": self.key,
-            "verify_s": {str(k): v for k, v in costs.verify_s.items()},
-            "head_s": {str(k): v for k, v in costs.head_s.items()},
-            "held_row_s": costs.held_row_s,
-        }
-        _write(self.path, data)
-
-
-def _write(path: Path, data: Mapping[str, Any]) -> None:
-    """``data`` as JSON at ``path``, written to a temporary name and renamed
-    into place; a home that cannot be written is left alone."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps(data, indent=1))
-        partial.replace(path)
-    except OSError:
-        pass
-
-
-def calibrate_model(
-    costs: CostModel, model: Any, drafter: MtpDrafter | None, slots: int, max_len: int
-) -> None:
-    """Warm-starts ``costs`` from its cache, or from verifies of 1..64 rows at
-    the start of free slots (a later prefill writes those positions anew) and
-    head forwards feeding 1..16 of those slots a row each (a later feed
-    writes them anew too). Only before a run, while no request holds a slot.
-    One sequence's widths fit one slot; wider ones are spread as a batch
-    would be."""
-
-    def forward(rows: int) -> None:
-        spread = 1 if rows <= 9 else min(slots, rows)
-        width = -(-rows // spread)
-        segments, left = [], rows
-        for slot in range(spread):
-            take = min(width, left)
-            if take:
-                segments.append(Segment(slot, 0, [0] * take))
-            left -= take
-        model.forward(segments, logits="all").logits.argmax(dim=-1).tolist()
-
-    head: Callable[[int, int], int] | None = None
-    if drafter is not None:
-        seqs: list[SeqState] = []
-        rows: list[torch.Tensor] = []  # [slots, hidden_size]: the rows fed, made once
-
-        def head(count: int, each: int) -> int:
-            """A head call feeding ``count`` slots ``each`` rows from their
-            start, one draft each, through the drafter as a run calls it (more
-            than a row: as a catch-up hands over held rows); the forwards it ran."""
-            if not seqs:  # only when the costs are not read from the cache
-                segments = [Segment(slot, 0, [0]) for slot in range(slots)]
-                rows.append(model.forward(segments, logits="last").hidden)
-                request = Request("calibration", (0,), SamplingParams(max_tokens=1))
-                for slot in range(slots):
-                    seqs.append(SeqState(request, slot, max_len, frozenset(), None, None))
-            feeds = [DraftFeed(seq, 0, [0] * each, 1) for seq in seqs[:count]]
-            hidden = rows[0][:count].repeat_interleave(each, dim=0)
-            before = drafter.forwards
-            drafter.feed_and_draft(feeds, hidden)
-            return drafter.forwards - before
-
-    costs.calibrate(forward, min(4 * slots, max_len - 1), (head, slots) if head else None)

@@ -17,20 +17,25 @@ is complete.
 
 ``spent_s`` adds up the time spent on this request's grammar, here and in
 ``constrained.py`` (applying the masks), for the figures.
+
+``ModelGrammars`` is the engine's side: it says at admission why a
+request's grammar cannot run, and starts each admitted request's matcher.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 import torch
 
-from metrale.engine.spec.grammar import GrammarError
+from metrale.engine.api import Grammar, Request
+from metrale.engine.spec.grammar import GrammarCompiler, GrammarError
 
 
 @dataclass
@@ -159,3 +164,50 @@ class GrammarMatcher:
         bits = np.zeros((1, self.words), dtype=np.int32)
         llguidance.numpy.fill_next_token_bitmask(self._matcher, bits, 0)
         return bits.tobytes(), bytes(self._matcher.compute_ff_bytes()), self.complete
+
+
+class ModelGrammars:
+    """The grammars of one engine's requests: the model's tokenizer is bound
+    to the grammar engine once, when the first request with a grammar comes
+    (``compiler`` brings a binding instead); a tokenizer that cannot be
+    bound fails each such request with the reason, never the run."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        compiler: GrammarCompiler | None = None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._compiler = compiler
+        self._problem: str | None = None
+
+    def rejection(self, request: Request) -> str | None:
+        """Why ``request``'s grammar cannot run here: no binding for this
+        tokenizer, a stop string beside it (it would cut the output), or a
+        grammar that does not compile. None for a request without one."""
+        if request.grammar is None:
+            return None
+        if request.params.stop:
+            return "stop strings cannot be combined with a grammar (they would cut the output)"
+        if self._compiler is None and self._problem is None:
+            try:
+                self._compiler = GrammarCompiler.for_tokenizer(
+                    self._tokenizer, self._vocab_size, self._eos
+                )
+            except GrammarError as exc:
+                self._problem = str(exc)
+        if self._compiler is None:
+            return self._problem
+        return self._compiler.problem(request.grammar)
+
+    def matcher(self, grammar: Grammar | None) -> GrammarMatcher | None:
+        """A new matcher at ``grammar``'s start, for a request ``rejection``
+        passed."""
+        if grammar is None:
+            return None
+        assert self._compiler is not None, "rejection bound the grammar engine"
+        return GrammarMatcher(self._compiler.start(grammar), self._compiler.vocab_size)

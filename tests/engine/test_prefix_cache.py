@@ -9,9 +9,10 @@ import torch
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.engine import Engine, calibration_key
+from metrale.engine.engine import Engine
 from metrale.engine.load.loader import LoadedModel, load_model
-from metrale.engine.spec.cost import CALIBRATION_FEEDS, CALIBRATION_ROWS, Calibration, CostCache
+from metrale.engine.spec.calibration import Calibration, CostCache, calibration_key
+from metrale.engine.spec.cost import CALIBRATION_FEEDS, CALIBRATION_ROWS
 from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
 from tests.support.checkpoints import write_tiny_checkpoint
 

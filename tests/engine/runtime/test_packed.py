@@ -14,11 +14,12 @@ from safetensors.torch import load_file, save_file
 
 from metrale.engine.api import Request, SamplingParams
 from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.engine import Engine, calibration_key
+from metrale.engine.engine import Engine
 from metrale.engine.kernels.binding import PackedKernel, kernel_built_with, packed_kernel
 from metrale.engine.load.gguf_convert import packed_blocks
 from metrale.engine.load.loader import load_model
 from metrale.engine.runtime.packed import PACKED_FILE, PackedStore, PackedWeight, save_packed
+from metrale.engine.spec.calibration import calibration_key
 from metrale.lookup import PromptLookupConfig
 from tests.support.checkpoints import write_tiny_checkpoint
 from tests.support.gguf_quants import kernel_weight

@@ -204,6 +204,23 @@ def test_a_stop_string_beside_a_grammar_is_refused() -> None:
     assert result.finish_reason == "error" and "stop strings" in str(result.error)
 
 
+def test_a_tokenizer_that_cannot_drive_a_grammar_fails_only_grammar_requests() -> None:
+    # A decode callable, not a tokenizer with a tokenizer.json: no binding.
+    model = FakeModel(vocab=VOCAB.size, num_slots=4, seed=0, max_len=256)
+    built = Engine(model, VOCAB.decode, EngineConfig(max_batch=4), eos_token_ids=(0,))
+    sampling = SamplingParams(max_tokens=8)
+    stream = [
+        Request("0", tuple(PROMPTS[0]), sampling, grammar=GRAMMARS["regex"]),
+        Request("1", tuple(PROMPTS[1]), sampling),
+        Request("2", tuple(PROMPTS[2]), sampling, grammar=GRAMMARS["object"]),
+    ]
+    results = {r.request_id: r for r in built.generate(stream)}
+    for failed in ("0", "2"):
+        assert results[failed].finish_reason == "error"
+        assert "cannot drive a grammar" in str(results[failed].error)
+    assert results["1"].error is None and results["1"].output_ids
+
+
 def test_constrained_figures_count_forced_drafts_and_grammar_time() -> None:
     built, _ = engine("mixed", lookup=True, forced=True)
     results = run(built, GRAMMARS["schema"])
