@@ -1,15 +1,21 @@
 """Runs of the engine the test modules share: the fake model's prompts and
 prompt-lookup settings, the tiny checkpoints' text prompts, requests built
-from prompts, outputs by request id, and the check that an engine's figures
-add up to its results'."""
+from prompts, outputs by request id, greedy outputs of a loaded checkpoint
+and its twin, and the check that an engine's figures add up to its
+results'."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from metrale.engine.api import Request, Result, SamplingParams
+from metrale.engine.config import EngineConfig
 from metrale.engine.engine import Engine
 from metrale.lookup import PromptLookupConfig
+
+if TYPE_CHECKING:
+    from metrale.engine.load.loader import LoadedModel
 
 # Mixed lengths; some repeat themselves so prompt lookup finds copies.
 PROMPTS = [
@@ -26,6 +32,8 @@ LOOKUP = PromptLookupConfig(ngram=2, min_match=3, max_drafts=8)
 
 # Text prompts for the tiny checkpoints' byte tokenizer.
 CHECKPOINT_PROMPTS = ["def f(x):\n    return x", "abcabcabcabc", "hello", 'JSON {"a": 1, "b": 2}']
+# Token prompts a GGUF file and its safetensors twin both decode.
+TWIN_PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [40, 41, 42], list(range(60, 90))]
 
 
 def requests(
@@ -57,3 +65,14 @@ def check_figures_add_up(engine: Engine, results: Sequence[Result]) -> None:
     assert list(stats.mtp_accepted_by_position) == sorted(
         stats.mtp_accepted_by_position, reverse=True
     )
+
+
+def twin_greedy(loaded: LoadedModel, lookup: bool = False) -> dict[str, tuple[int, ...]]:
+    """Greedy outputs of ``TWIN_PROMPTS`` on ``loaded``, without MTP."""
+    config = EngineConfig(
+        max_batch=3, mtp=False, prompt_lookup=PromptLookupConfig(min_match=2) if lookup else None
+    )
+    engine = Engine.from_loaded(loaded, config)
+    params = SamplingParams(max_tokens=20)
+    stream = (Request(str(i), tuple(p), params) for i, p in enumerate(TWIN_PROMPTS))
+    return {r.request_id: r.output_ids for r in engine.generate(stream)}

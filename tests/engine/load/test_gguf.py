@@ -15,9 +15,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from metrale.cli.main import app
-from metrale.engine.api import Request, SamplingParams
-from metrale.engine.config import EngineConfig, RuntimeConfig
-from metrale.engine.engine import Engine
+from metrale.engine.config import RuntimeConfig
 from metrale.engine.load import gguf_cache, loader
 from metrale.engine.load.convert_once import STAMP
 from metrale.engine.load.gguf_config import GgufError
@@ -25,12 +23,11 @@ from metrale.engine.load.loader import LoadedModel, load_model
 from metrale.engine.runtime.llama import LlamaModel
 from metrale.engine.runtime.model import Segment
 from metrale.engine.runtime.packed import PackedWeight
-from metrale.lookup import PromptLookupConfig
 from tests.support.checkpoints import write_tiny_checkpoint
+from tests.support.engine_runs import TWIN_PROMPTS, twin_greedy
 from tests.support.gguf_files import dequantized_twin, write_gguf
 from tests.support.rope_scalings import LLAMA3_ROPE
 
-PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [40, 41, 42], list(range(60, 90))]
 RUNTIME = RuntimeConfig(device="cpu", dtype="float32", num_slots=3, max_len=128)
 WIDE = {"COLUMNS": "400", "NO_COLOR": "1"}
 
@@ -51,18 +48,8 @@ def tiny(
     )
 
 
-def greedy(loaded: LoadedModel, lookup: bool = False) -> dict[str, tuple[int, ...]]:
-    config = EngineConfig(
-        max_batch=3, mtp=False, prompt_lookup=PromptLookupConfig(min_match=2) if lookup else None
-    )
-    engine = Engine.from_loaded(loaded, config)
-    params = SamplingParams(max_tokens=20)
-    requests = (Request(str(i), tuple(p), params) for i, p in enumerate(PROMPTS))
-    return {r.request_id: r.output_ids for r in engine.generate(requests)}
-
-
 def prefill_logits(loaded: LoadedModel) -> torch.Tensor:
-    segments = [Segment(s, 0, ids) for s, ids in enumerate(PROMPTS)]
+    segments = [Segment(s, 0, ids) for s, ids in enumerate(TWIN_PROMPTS)]
     return loaded.model.forward(segments).logits  # [num_tokens, vocab]
 
 
@@ -93,7 +80,7 @@ def test_an_f32_gguf_generates_what_its_checkpoint_generates(tmp_path: Path, fam
     path = write_gguf(twin, tmp_path / "m.gguf")
     ours, theirs = load_model(str(path), RUNTIME), load_model(twin, RUNTIME)
     assert torch.equal(prefill_logits(ours), prefill_logits(theirs))
-    assert greedy(ours) == greedy(theirs)
+    assert twin_greedy(ours) == twin_greedy(theirs)
     assert (
         ours.eos_token_ids == theirs.eos_token_ids
     )  # EOS and end of turn: <|endoftext|>, <|im_end|>
@@ -161,10 +148,10 @@ def test_a_block_gguf_generates_what_its_dequantized_twin_generates(
     dense = RuntimeConfig(**{**vars(RUNTIME), "weights": "dense"})
     ours, theirs = load_model(str(path), dense), load_model(twin, dense)
     assert torch.equal(prefill_logits(ours), prefill_logits(theirs))
-    assert greedy(ours) == greedy(theirs)
+    assert twin_greedy(ours) == twin_greedy(theirs)
     packed = load_model(str(path), RUNTIME)  # the blocks as stored, in the CPU kernel
     assert packed.info.weights == f"packed ({BLOCK_TYPES[qtype]})"
-    assert greedy(packed) == greedy(theirs) == greedy(packed, lookup=True)
+    assert twin_greedy(packed) == twin_greedy(theirs) == twin_greedy(packed, lookup=True)
 
 
 # Types as llama.cpp's Q4_K_M gives a model whose rows are not all of 256:
@@ -194,7 +181,7 @@ def test_a_gguf_of_mixed_types_runs_every_layer_packed_as_its_dequantized_twin(
     qkv = model.stack.blocks[0].qkv
     assert isinstance(qkv, PackedWeight) and [p.fmt for p in qkv.parts] == ["q5_0", "q8_0"]
     theirs = load_model(twin, RuntimeConfig(**{**vars(RUNTIME), "weights": "dense"}))
-    assert greedy(packed) == greedy(theirs) == greedy(packed, lookup=True)
+    assert twin_greedy(packed) == twin_greedy(theirs) == twin_greedy(packed, lookup=True)
 
 
 def test_without_the_kernel_a_k_quant_gguf_runs_dense_and_generates_the_same(
@@ -203,12 +190,12 @@ def test_without_the_kernel_a_k_quant_gguf_runs_dense_and_generates_the_same(
     # No C compiler (or METRALE_NO_KERNEL): the dense float32 weights the
     # conversion wrote, the same model.
     path = write_gguf(tiny(tmp_path, wide=True), tmp_path / "m.gguf", "Q4_K")
-    packed = greedy(load_model(str(path), RUNTIME))
+    packed = twin_greedy(load_model(str(path), RUNTIME))
     monkeypatch.setattr(loader, "packed_kernel", lambda: None)
     monkeypatch.setattr(loader, "kernel_problem", lambda: "no C compiler (cc or gcc) on PATH")
     fallback = load_model(str(path), RUNTIME)
     assert fallback.info.weights == "dense (no C compiler (cc or gcc) on PATH)"
-    assert greedy(fallback) == packed
+    assert twin_greedy(fallback) == packed
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16"])

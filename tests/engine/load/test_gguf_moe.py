@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from metrale.engine.config import RuntimeConfig
 from metrale.engine.load.loader import LoadedModel, load_model
 from metrale.engine.runtime.model import Segment
-from tests.engine.load.test_gguf import PROMPTS, greedy
+from tests.support.engine_runs import TWIN_PROMPTS, twin_greedy
 from tests.support.gguf_files import dequantized_twin, write_gguf
 from tests.support.moe_checkpoints import write_moe_checkpoint
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("cache_root")
 
 
 def logits(loaded: LoadedModel) -> torch.Tensor:
-    segments = [Segment(s, 0, ids) for s, ids in enumerate(PROMPTS)]
+    segments = [Segment(s, 0, ids) for s, ids in enumerate(TWIN_PROMPTS)]
     return loaded.model.forward(segments).logits  # [num_tokens, vocab]
 
 
@@ -49,7 +49,7 @@ def test_a_moe_gguf_s_logits_equal_its_safetensors_twin_s(tmp_path: Path, family
     theirs = load_model(twin, DENSE)
     assert ours.info.experts == theirs.info.experts
     assert torch.equal(logits(ours), logits(theirs))
-    assert greedy(ours) == greedy(theirs)
+    assert twin_greedy(ours) == twin_greedy(theirs)
 
 
 def test_a_quantized_moe_gguf_runs_its_experts_packed_as_its_dequantized_twin(
@@ -64,7 +64,7 @@ def test_a_quantized_moe_gguf_runs_its_experts_packed_as_its_dequantized_twin(
     packed, dense = load_model(str(path), PACKED), load_model(twin, DENSE)
     assert packed.info.weights == "packed (q4_1)"
     assert torch.equal(logits(load_model(str(path), DENSE)), logits(dense))
-    assert greedy(packed) == greedy(dense)
+    assert twin_greedy(packed) == twin_greedy(dense)
 
 
 def test_a_token_streams_its_routed_experts_share_of_their_bytes(tmp_path: Path) -> None:
