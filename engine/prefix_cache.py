@@ -61,15 +61,8 @@ def copiers(model: Model, mtp: Sequence[MtpModule]) -> list[CopiesPrefixes] | No
 
 @dataclass(frozen=True)
 class Reuse:
-    """The ``length`` leading rows a request reuses from ``source``'s slot."""
-
-    source: SeqState
-    length: int
-
-
-@dataclass(frozen=True)
-class Attach:
-    """A request waiting for ``source`` to hold ``length`` final rows."""
+    """The ``length`` leading rows a request reuses from ``source``'s slot,
+    and waits for while ``source`` has not written them yet (``ready``)."""
 
     source: SeqState
     length: int
@@ -93,7 +86,7 @@ class PrefixCache:
         self.content: list[SeqState | None] = [None] * num_slots
         self.used = [0] * num_slots  # when each slot was last read or written
         self.clock = 0
-        self.attached: dict[int, Attach] = {}  # by the waiting sequence's id()
+        self.attached: dict[int, Reuse] = {}  # by the waiting sequence's id()
         self.waiting: list[SeqState] = []  # in admission order
 
     def choose_slot(self, prompt: Sequence[int], free: list[int]) -> tuple[int, Reuse | None]:
@@ -137,7 +130,7 @@ class PrefixCache:
         if source is previous:  # its own slot holds the prefix: nothing to copy
             self._start(seq, min(length, _final_rows(source)))
             return True
-        self.attached[id(seq)] = Attach(source, length)
+        self.attached[id(seq)] = reuse
         self.waiting.append(seq)
         source.waited_on += 1
         return False
