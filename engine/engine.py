@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from metrale.engine.api import Request, Result
 from metrale.engine.config import EngineConfig
 from metrale.engine.logprobs import TokenBytes
-from metrale.engine.prefix_cache import PrefixCache, copiers
+from metrale.engine.prefix_cache import Lender, PrefixCache, copiers
 from metrale.engine.runtime.model import Model, MtpModule
 from metrale.engine.sampling import noise_key
 from metrale.engine.sequence import Decode, SeqState, error_result
@@ -44,7 +44,7 @@ from metrale.engine.stats import EngineStats, RunCounters
 from metrale.engine.step import Queues, Step, StepTimes
 from metrale.engine.step.books import Books, StepSetup
 from metrale.engine.step.device import DeviceStep, device_lookup
-from metrale.engine.step.device_verify import device_verify_for
+from metrale.engine.step.device_verify import DeviceVerify, device_verify_for
 from metrale.engine.step.host import HostStep
 from metrale.lookup import LookupStats, ScopeKey, SharedLookup
 
@@ -112,7 +112,8 @@ class Engine:
             assert drafter.num_slots >= self._num_slots, "MTP slots < model slots"
             self._max_len = min(self._max_len, drafter.max_len)
         self._free_slots = list(range(self._num_slots - 1, -1, -1))
-        self._prefixes = _prefix_cache(model, mtp, config, self._num_slots, device is not None)
+        lender = self.policy if drafter is not None else None
+        self._prefixes = _prefix_cache(model, mtp, config, self._num_slots, device, lender)
         self._queues = Queues()
         self._counters = RunCounters(prefix_cache=self._prefixes is not None)
         self._copies = LookupStats()
@@ -277,7 +278,7 @@ class Engine:
                     # The source's owed rows are read as far as they are
                     # reused; the slot's old ones are written over.
                     if reuse is not None:
-                        self._drafter.pay(reuse.source.slot, reuse.length)
+                        self._drafter.pay(reuse.source.slot, reuse.lagged)
                     self._drafter.forget(slot)
             seq = SeqState(
                 request=request,
@@ -331,6 +332,8 @@ class Engine:
         feed = self.policy.ended(seq)
         if feed is not None:
             self._drafter.owe(*feed)
+            if seq.waited_on:  # a request waits to copy them now
+                self._drafter.pay(seq.slot, seq.prompt_len)
 
     # -- helpers ------------------------------------------------------------
 
@@ -367,18 +370,23 @@ class Engine:
 
 
 def _prefix_cache(
-    model: Model, mtp: Sequence[MtpModule], config: EngineConfig, num_slots: int, device: bool
+    model: Model,
+    mtp: Sequence[MtpModule],
+    config: EngineConfig,
+    num_slots: int,
+    device: DeviceVerify | None,
+    lender: Lender | None,
 ) -> PrefixCache | None:
     """The slots as a prefix cache, where the config asks for one and the
     model and every MTP module in use can copy a prefix (``prefix_cache.py``).
     Module ``k`` of a host stack reads token ``p+1+k`` at row ``p``, so the
-    copies lag the shared prefix by the stack's depth; the device step runs
-    one module."""
+    copies of its rows lag the shared prefix by the stack's depth; the
+    device step runs one module. ``lender``: the host drafter's policy."""
     found = copiers(model, mtp) if config.prefix_cache else None
     if found is None:
         return None
-    lag = (1 if device else len(mtp)) if mtp else 0
-    return PrefixCache(found, num_slots, lag, device)
+    lag = (1 if device is not None else len(mtp)) if mtp else 0
+    return PrefixCache(found, num_slots, lag, device is not None, lender)
 
 
 def _as_decode(tokenizer: Any) -> Decode | None:

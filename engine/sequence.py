@@ -32,7 +32,9 @@ Contract (owned by the engine loop, one ``SeqState`` per admitted request):
   (``prefix_cache.py``); ``head_rows`` counts the rows every MTP module
   holds for good, where the host drafter feeds them behind the main cache;
   ``waited_on`` counts the requests waiting for its rows, which a draft
-  policy must then not hold back.
+  policy holds back from the MTP head only where those requests can take
+  them held (``DraftPolicy.lend``); ``head_floor``: no MTP module row below
+  it is ever run again, its rows having come from another slot.
 - ``error`` set means the request failed while decoding (its grammar could
   not go on); it finishes with ``finish_reason == "error"``.
 """
@@ -73,6 +75,7 @@ class SeqState:
     logprobs: list[TokenLogprob] | None = None
     cached: int = 0  # prompt positions reused from the prefix cache
     head_rows: int | None = None  # MTP module rows held for good; None: as the main cache
+    head_floor: int = 0  # MTP module rows below it came from another slot's cache
     waited_on: int = 0  # requests waiting to copy this one's prefix rows
 
     def __post_init__(self) -> None:

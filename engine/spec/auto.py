@@ -220,15 +220,20 @@ class AutoPolicy:
         prompt of up to ``HOLD_MAX`` tokens is held until the chain first
         drafts: where drafts do not pay, the head never reads the prompts of
         the sequences whose chains never run. A prompt another request waits
-        to copy (``prefix_cache.py``) is never held. A chain that starts as
-        its prompt completes repays the prompt's rows, as one resting does
-        its held rows."""
+        to copy (``prefix_cache.py``) is held only where that request can
+        take the held rows with the prefix (``ChainRest.lendable``), and fed
+        at once otherwise. A chain that starts as its prompt completes
+        repays the prompt's rows, as one resting does its held rows."""
         rest = self.rest
-        if seq.prompt_len <= HOLD_MAX:
+        if seq.prompt_len > HOLD_MAX:
+            # Rows lent with a reused prefix come first.
+            start, next_ids, rows = rest.release(seq, start, next_ids, rows)
+        else:
             # Every sequence admitted shares the steps to come, those whose
             # prompts are still being read too.
             live = queues.running() + len(queues.prefilling)
-            waited = seq.waited_on > 0  # another request copies these rows
+            # Another request copies these rows, and cannot take them held.
+            waited = seq.waited_on > 0 and not rest.lendable(seq, start)
             if waited:
                 start, next_ids, rows = rest.release(seq, start, next_ids, rows)
             else:
@@ -259,9 +264,11 @@ class AutoPolicy:
         running: int,
     ) -> Feed | None:
         """A resting chain's rows wait; a drafting one takes them all, as
-        does one whose rows another request waits to copy."""
+        does one whose rows another request waits to copy and could not
+        take held (``ChainRest.lendable``)."""
         rest = self.rest
-        waited = seq.waited_on > 0  # another request copies these rows
+        # Another request copies these rows, and cannot take them held.
+        waited = seq.waited_on > 0 and not rest.lendable(seq, start)
         if not waited and not rest.wants_chain(seq, running, quiet=self._quiet):
             rest.hold(seq, start, next_ids, rows)
             return None
@@ -305,6 +312,9 @@ class AutoPolicy:
             return None
         start, next_ids, rows = released
         return DraftFeed(seq, start, next_ids, 0), rows
+
+    def lend(self, source: SeqState, seq: SeqState, start: int, end: int) -> bool:
+        return self.rest.lend(source, seq, start, end)
 
     def snapshot(self, final: bool = False) -> BudgetStats | None:
         now = time.perf_counter()

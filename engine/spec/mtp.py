@@ -114,11 +114,11 @@ class DraftFeed:
 
     @property
     def floor(self) -> int:
-        """No module runs a row below it: rows below the prompt positions the
-        sequence reused were copied into every module's cache
+        """No module runs a row below it: the module rows below it were
+        copied from another slot with a reused prompt prefix
         (``prefix_cache.py``), so a feed there starts every module afresh, as
         a feed from row 0 does."""
-        return self.seq.cached
+        return self.seq.head_floor
 
 
 class MtpDrafter:

@@ -112,6 +112,14 @@ class DraftPolicy(Protocol):
         reuses only the rows every module holds); None when there are none."""
         ...
 
+    def lend(self, source: SeqState, seq: SeqState, start: int, end: int) -> bool:
+        """Hands ``seq``, which reuses ``source``'s prompt prefix, the rows
+        ``start..end-1`` that ``source``'s chain holds back from the MTP head
+        (``prefix_cache.py``): ``seq``'s chain holds them in turn, with its
+        own tokens, and the head reads them only if that chain drafts. False
+        where ``source`` holds no such rows."""
+        ...
+
     def snapshot(self, final: bool = False) -> BudgetStats | None:
         """The policy's figures for the stats snapshot; None where it keeps none."""
         ...
@@ -190,6 +198,9 @@ class FixedPolicy:
 
     def ended(self, seq: SeqState) -> Feed | None:
         return None
+
+    def lend(self, source: SeqState, seq: SeqState, start: int, end: int) -> bool:
+        return False
 
     def snapshot(self, final: bool = False) -> BudgetStats | None:
         return None

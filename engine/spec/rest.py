@@ -7,9 +7,12 @@ sequence whose prompt it holds), and reports the forward with ``head_ran``.
 A sequence whose chain is not wanted rests: its verified rows are kept
 (``hold``) instead of fed, and the head takes every one of them, in order,
 in one feed when it drafts for it again (``release``); held feeds are
-contiguous. What a chain is worth is the budget's (``budget.py``:
-``chain_value``, ``predicted_value``, the rate and the costs); this module
-only reads it, and keeps each sequence's place in the head's schedule.
+contiguous. A request that reuses a sequence's prompt prefix may take the
+rows of it the sequence holds, or released while the request waited
+(``lend``, ``prefix_cache.py``). What a chain is worth is the budget's
+(``budget.py``: ``chain_value``, ``predicted_value``, the rate and the
+costs); this module only reads it, and keeps each sequence's place in the
+head's schedule.
 
 The shared head: the head forward after a verify drafts for the chains worth
 it together (``share_head``: a forward costs little more for many sequences
@@ -63,6 +66,9 @@ class SeqRest:
     shared: bool = False
     held: list[tuple[int, list[int], torch.Tensor]] = field(default_factory=list)
     _held_count: int = 0  # rows in ``held``: asked several times a step by every sequence
+    # The rows of the last release while requests waited to copy this
+    # sequence's prefix, from their first position (``ChainRest.lend``).
+    released: tuple[int, torch.Tensor] | None = None
 
     def hold(self, start: int, next_ids: list[int], rows: torch.Tensor) -> None:
         """Keeps a verify's final rows for the head instead of feeding them."""
@@ -84,6 +90,24 @@ class SeqRest:
 
     def held_rows(self) -> int:
         return self._held_count
+
+    def first_held(self, start: int) -> int:
+        """The position the held rows begin at, once a feed at ``start`` is held."""
+        return self.held[0][0] if self.held else start
+
+    def rows_between(self, start: int, end: int) -> torch.Tensor | None:
+        """The rows at positions ``start..end-1``, held or last released
+        (None: not all of them)."""
+        if start >= end:
+            return None
+        if self.held and self.held[0][0] <= start <= end <= self.held[0][0] + self._held_count:
+            first = self.held[0][0]
+            return torch.cat([rows for _, _, rows in self.held])[start - first : end - first]
+        if self.released is not None:
+            first, rows = self.released
+            if first <= start and end <= first + rows.shape[0]:
+                return rows[start - first : end - first]
+        return None
 
     def release_below(self, end: int) -> tuple[int, list[int], torch.Tensor] | None:
         """The held rows at positions below ``end``, as one feed (None: none),
@@ -125,11 +149,32 @@ class ChainRest:
     def release(
         self, seq: SeqState, start: int, next_ids: list[int], rows: torch.Tensor
     ) -> tuple[int, list[int], torch.Tensor]:
-        """``seq``'s feed with every row it held (``SeqRest.release``)."""
-        return self.for_seq(seq).release(start, next_ids, rows)
+        """``seq``'s feed with every row it held (``SeqRest.release``); kept
+        while requests wait to copy its prefix, which may take them (``lend``)."""
+        own = self.for_seq(seq)
+        feed = own.release(start, next_ids, rows)
+        own.released = (feed[0], feed[2]) if seq.waited_on > 0 else None
+        return feed
 
     def held_rows(self, seq: SeqState) -> int:
         return self.for_seq(seq).held_rows()
+
+    def lendable(self, seq: SeqState, start: int) -> bool:
+        """Whether ``seq``'s held rows, once a feed at ``start`` is held too,
+        begin where every MTP module's rows end (``SeqState.head_rows``): a
+        request reusing its prefix can then take them (``lend``) rather than
+        wait for the head to read them."""
+        return self.for_seq(seq).first_held(start) == seq.head_rows
+
+    def lend(self, source: SeqState, seq: SeqState, start: int, end: int) -> bool:
+        """Holds for ``seq`` the rows ``start..end-1`` that ``source`` holds,
+        with ``seq``'s own tokens (``DraftPolicy.lend``)."""
+        own = self._seqs.get(source)
+        rows = None if own is None else own.rows_between(start, end)
+        if rows is None:
+            return False
+        self.hold(seq, start, list(seq.history[start + 1 : end + 1]), rows)
+        return True
 
     def release_prompt(self, seq: SeqState) -> tuple[int, list[int], torch.Tensor] | None:
         """An ended ``seq``'s held rows of its prompt (``SeqRest.release_below``)."""

@@ -108,12 +108,16 @@ class HostStep:
                 queues.prefilling.remove(seq)
                 self._emit_first(seq, firsts[row], out.logits[row])
                 (done if seq.finished else queues.decoding).append(seq)
-            if self.drafter is not None and not seq.finished:
+            # A sequence that ended on its first token drafts nothing, but
+            # the requests waiting on its prefix need its modules' rows.
+            wanted = not seq.finished or (seq.waited_on > 0 and seq.error is None)
+            if self.drafter is not None and wanted:
                 # Position p gets token p+1: the next prompt token, or the
                 # sampled first token at the prompt's last position.
                 next_ids = seq.history[start + 1 : seq.seq_len + 1]
                 rows = out.hidden[at : at + fed]
-                feed = self.policy.prompt_feed(seq, start, next_ids, rows, complete, queues)
+                drafting = complete and not seq.finished
+                feed = self.policy.prompt_feed(seq, start, next_ids, rows, drafting, queues)
                 if feed is not None:
                     feeds.append(feed[0])
                     parts.append(feed[1])

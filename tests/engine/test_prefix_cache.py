@@ -104,13 +104,14 @@ def test_one_line_at_a_time_under_auto_reuses_the_prompt_a_resting_chain_held(
     assert results == plain
 
 
-def test_no_prompt_row_is_fed_once_no_request_is_left_to_reuse_it(
+def test_no_prompt_row_is_fed_where_every_chain_rests(
     loaded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Lines admitted together from a stream that has ended: the first
-    line's prompt is fed at once (the others wait on it), and the rows the
-    others' resting chains held are dropped unread as they end, since no
-    request is left to reuse them."""
+    line's resting chain holds its prompt rows, and the others take the
+    ones of the prefix they share with them, so they reuse the whole shared
+    prompt (no module lag) and the head reads none of it; every held row is
+    dropped unread as its line ends, since no request is left to reuse it."""
     if not loaded.mtp:
         pytest.skip("no MTP module: nothing is held back")
     chains_rest(loaded, tmp_path, monkeypatch)
@@ -119,10 +120,30 @@ def test_no_prompt_row_is_fed_once_no_request_is_left_to_reuse_it(
     requests = lines(False)[:3]
     engine = Engine.from_loaded(loaded, EngineConfig(max_batch=4, draft_policy="auto"))
     results = {r.request_id: r.output_ids for r in engine.generate(requests)}
-    assert engine.stats().prefix_hits == 2
-    # The first prompt, and the first line's first verified row, read while
-    # the others still waited on its slot; none of the rows the others held.
-    assert sum(rows for _, rows in fed) == len(requests[0].prompt_ids) + 1
+    stats = engine.stats()
+    assert stats.prefix_hits == 2 and stats.cached_tokens == 2 * len(SHARED)
+    assert fed == []
+    plain, _ = run(loaded, requests, max_batch=4, prefix_cache=False)
+    assert results == plain
+
+
+def test_a_source_that_ends_on_its_first_token_has_its_prompt_read_for_its_waiters(
+    loaded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first line ends as its prompt completes, before the lines waiting
+    on it could take its held rows: the head reads them as it ends, so the
+    others copy modules' rows that hold their prefix."""
+    if not loaded.mtp:
+        pytest.skip("no MTP module: nothing is held back")
+    chains_rest(loaded, tmp_path, monkeypatch)
+    fed = count_feeds(monkeypatch)
+    first, *rest = lines(False)[:3]
+    requests = [Request(first.request_id, first.prompt_ids, SamplingParams(max_tokens=1)), *rest]
+    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=4, draft_policy="auto"))
+    results = {r.request_id: r.output_ids for r in engine.generate(requests)}
+    stats = engine.stats()
+    assert stats.prefix_hits == 2 and stats.cached_tokens >= 2 * (len(SHARED) - 1)
+    assert fed and fed[0][0] == 0 and sum(rows for _, rows in fed) >= len(SHARED)
     plain, _ = run(loaded, requests, max_batch=4, prefix_cache=False)
     assert results == plain
 
@@ -176,7 +197,8 @@ def test_lines_admitted_together_prefill_the_shared_prompt_once(
     loaded: LoadedModel, policy: str
 ) -> None:
     """Under ``auto`` too, whose resting chains hold short prompts back from
-    the MTP module: a source others wait for is fed at once."""
+    the MTP module: a source others wait for lends them its held rows, or
+    is fed at once."""
     requests = lines(False)[:4]
     engine = Engine.from_loaded(loaded, EngineConfig(max_batch=4, draft_policy=policy))
     results = list(engine.generate(requests))

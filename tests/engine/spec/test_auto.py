@@ -18,6 +18,7 @@ from metrale.engine.spec.auto import AutoPolicy
 from metrale.engine.spec.copies import settle_copies
 from metrale.engine.spec.cost import CostModel
 from metrale.engine.spec.mtp import DraftFeed
+from metrale.engine.spec.policy import Feed
 from metrale.engine.spec.rest import HOLD_MAX
 from metrale.engine.step import Queues, StepTimes
 from metrale.lookup import LookupStats, PromptLookupConfig
@@ -250,3 +251,68 @@ def test_the_shared_head_prices_chains_by_the_forwards_a_step_lately_ran() -> No
     for _ in range(40):
         policy.head_ran(feeds, 3, 3 * 0.004)
     assert fed() == []
+
+
+def waited_on_source(prompt: Sequence[int]) -> SeqState:
+    """A sequence reading ``prompt`` whose prefix a request waits to copy,
+    its MTP modules' rows all still to be fed."""
+    request = Request("source", tuple(prompt), SamplingParams(max_tokens=64))
+    seq = SeqState(request, 0, 1024, frozenset(), None, None, head_rows=0)
+    seq.waited_on = 1
+    return seq
+
+
+def read_prompt(policy: AutoPolicy, seq: SeqState, first: int, start: int = 0) -> Feed | None:
+    """Reads ``seq``'s prompt from ``start`` in one chunk that completes it;
+    hidden row ``p`` is ``[p] * HIDDEN``."""
+    seq.seq_len = seq.prompt_len
+    seq.history.append(first)
+    next_ids = seq.history[start + 1 : seq.prompt_len + 1]
+    rows = torch.arange(start, seq.prompt_len, dtype=torch.float32)[:, None].repeat(1, HIDDEN)
+    return policy.prompt_feed(seq, start, next_ids, rows, True, Queues(prefilling=[seq]))
+
+
+def test_a_waited_on_prompt_is_held_and_lent_with_the_prefix_its_waiter_reuses() -> None:
+    # A head forward of 10 s: no chain pays it, so every prompt is held.
+    costs = CostModel(FakeClock())
+    costs.verify.observe(1, 0.010)
+    costs.head.observe(1, 10.0)
+    policy = policy_on(costs)
+    source = waited_on_source(range(10, 20))
+    assert read_prompt(policy, source, first=99) is None  # held, not fed
+    # A request sharing the first 8 tokens takes rows 0..7, with its own
+    # tokens after each; the head reads them only if its chain drafts.
+    request = Request("waiter", (*range(10, 18), 77, 78), SamplingParams(max_tokens=64))
+    waiter = SeqState(request, 1, 1024, frozenset(), None, None, head_rows=0)
+    assert policy.lend(source, waiter, 0, 8)
+    waiter.seq_len = 8
+    assert read_prompt(policy, waiter, first=55, start=8) is None
+    # Ended, its held prompt rows come out as one feed: the lent ones first.
+    ended = policy.ended(waiter)
+    assert ended is not None
+    feed, rows = ended
+    assert (feed.start, list(feed.next_ids)) == (0, [*range(11, 18), 77, 78, 55])
+    assert rows[:, 0].tolist() == list(range(10))
+    # Rows the source does not hold are not lent.
+    assert not policy.lend(source, waiter, 8, 12)
+
+
+def test_rows_released_to_the_head_while_a_request_waits_may_still_be_lent() -> None:
+    # A cheap head: the chain drafts as its prompt completes, so the head
+    # reads the prompt's rows; the waiter still takes the one row past its
+    # modules' copy (the module lag) from them.
+    costs = CostModel(FakeClock())
+    costs.verify.observe(1, 0.010)
+    costs.verify.observe(2, 0.011)
+    costs.head.observe(1, 0.0001)
+    policy = policy_on(costs)
+    source = waited_on_source(range(10, 20))
+    fed = read_prompt(policy, source, first=99)
+    assert fed is not None and fed[0].start == 0 and len(fed[0].next_ids) == 10
+    request = Request("waiter", (*range(10, 18), 77), SamplingParams(max_tokens=64))
+    waiter = SeqState(request, 1, 1024, frozenset(), None, None, head_rows=7)
+    assert policy.lend(source, waiter, 7, 8)
+    not_waited = waited_on_source(range(30, 40))
+    not_waited.waited_on = 0
+    assert read_prompt(policy, not_waited, first=98) is not None
+    assert not policy.lend(not_waited, waiter, 7, 8)
