@@ -230,8 +230,8 @@ class AutoPolicy:
             start, next_ids, rows = rest.release(seq, start, next_ids, rows)
         else:
             # Every sequence admitted shares the steps to come, those whose
-            # prompts are still being read too.
-            live = queues.running() + len(queues.prefilling)
+            # prompts are still being read or who wait to copy a prefix too.
+            live = queues.running() + len(queues.prefilling) + queues.attached
             # Another request copies these rows, and cannot take them held.
             waited = seq.waited_on > 0 and not rest.lendable(seq, start)
             if waited:

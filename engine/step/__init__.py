@@ -34,6 +34,7 @@ class Queues:
     prefilling: list[SeqState] = field(default_factory=list)
     decoding: list[SeqState] = field(default_factory=list)
     stream_done: bool = False  # the request stream has ended: nothing will join
+    attached: int = 0  # hold a slot and wait to copy a prompt prefix (``prefix_cache.py``)
 
     def running(self) -> int:
         """Decoding sequences that have not finished."""

@@ -316,3 +316,20 @@ def test_rows_released_to_the_head_while_a_request_waits_may_still_be_lent() -> 
     not_waited.waited_on = 0
     assert read_prompt(policy, not_waited, first=98) is not None
     assert not policy.lend(not_waited, waiter, 7, 8)
+
+
+def test_a_chain_starting_with_its_prompt_is_priced_with_the_requests_waiting_on_a_prefix() -> None:
+    # Alone, a first draft is worth its row (10 to 11 ms); at 16 sequences a
+    # row costs a token, and fifteen requests waiting to copy this prompt's
+    # prefix will share the steps to come.
+    def first_feed(attached: int) -> Feed | None:
+        policy = policy_on(costs_a_token_a_row_at_sixteen())
+        request = Request("a", (1, 2, 3), SamplingParams(max_tokens=64))
+        seq = SeqState(request, 0, 1024, frozenset(), None, None, head_rows=0)
+        seq.seq_len = 3
+        seq.history.append(9)
+        queues = Queues(prefilling=[seq], attached=attached)
+        return policy.prompt_feed(seq, 0, [2, 3, 9], torch.zeros(3, HIDDEN), True, queues)
+
+    assert first_feed(attached=0) is not None
+    assert first_feed(attached=15) is None
