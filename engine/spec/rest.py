@@ -66,7 +66,7 @@ class SeqRest:
     shared: bool = False
     held: list[tuple[int, list[int], torch.Tensor]] = field(default_factory=list)
     _held_count: int = 0  # rows in ``held``: asked several times a step by every sequence
-    # The rows of the last release while requests waited to copy this
+    # The rows released to the head while requests wait to copy this
     # sequence's prefix, from their first position (``ChainRest.lend``).
     released: tuple[int, torch.Tensor] | None = None
 
@@ -153,7 +153,13 @@ class ChainRest:
         while requests wait to copy its prefix, which may take them (``lend``)."""
         own = self.for_seq(seq)
         feed = own.release(start, next_ids, rows)
-        own.released = (feed[0], feed[2]) if seq.waited_on > 0 else None
+        kept = own.released
+        if seq.waited_on == 0:
+            own.released = None
+        elif kept is not None and kept[0] + len(kept[1]) == feed[0]:
+            own.released = kept[0], torch.cat([kept[1], feed[2]])
+        else:
+            own.released = feed[0], feed[2]
         return feed
 
     def held_rows(self, seq: SeqState) -> int:

@@ -309,6 +309,13 @@ def test_rows_released_to_the_head_while_a_request_waits_may_still_be_lent() -> 
     source = waited_on_source(range(10, 20))
     fed = read_prompt(policy, source, first=99)
     assert fed is not None and fed[0].start == 0 and len(fed[0].next_ids) == 10
+    # Its first verify's row goes to the head too before the waiter is
+    # ready; the prompt's rows are still kept.
+    queues = Queues(decoding=[source])
+    policy.take_drafts([source], queues)
+    policy.before_head([source], queues)
+    row = policy.head_feed(source, 10, [98], torch.full((1, HIDDEN), 10.0), 1)
+    assert row is not None and row[0].start == 10
     request = Request("waiter", (*range(10, 18), 77), SamplingParams(max_tokens=64))
     waiter = SeqState(request, 1, 1024, frozenset(), None, None, head_rows=7)
     assert policy.lend(source, waiter, 7, 8)
