@@ -14,6 +14,7 @@ from metrale.engine.load.loader import LoadedModel, load_model
 from metrale.engine.spec.calibration import Calibration, CostCache, calibration_key
 from metrale.engine.spec.cost import CALIBRATION_FEEDS, CALIBRATION_ROWS
 from metrale.engine.spec.mtp import DraftFeed, MtpDrafter
+from metrale.engine.stats import EngineStats
 from tests.support.checkpoints import write_tiny_checkpoint
 
 SHARED = list(range(3, 3 + 40))  # a 40-token "system prompt"
@@ -84,6 +85,20 @@ def count_feeds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return fed
 
 
+def exact_under_auto(
+    loaded: LoadedModel, requests: list[Request], batch: int, fed: list[tuple[int, int]]
+) -> tuple[EngineStats, list[tuple[int, int]]]:
+    """Runs ``requests`` under ``auto`` with the prefix cache, checks their
+    output against a run without the cache, and returns the run's stats and
+    the head feeds it made (``count_feeds``)."""
+    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=batch, draft_policy="auto"))
+    results = {r.request_id: r.output_ids for r in engine.generate(requests)}
+    made = list(fed)
+    plain, _ = run(loaded, requests, max_batch=batch, prefix_cache=False)
+    assert results == plain
+    return engine.stats(), made
+
+
 def test_one_line_at_a_time_under_auto_reuses_the_prompt_a_resting_chain_held(
     loaded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -93,15 +108,10 @@ def test_one_line_at_a_time_under_auto_reuses_the_prompt_a_resting_chain_held(
     if not loaded.mtp:
         pytest.skip("no MTP module: nothing is held back")
     chains_rest(loaded, tmp_path, monkeypatch)
-    requests = lines(False)[:4]
-    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=1, draft_policy="auto"))
-    results = {r.request_id: r.output_ids for r in engine.generate(requests)}
-    stats = engine.stats()
+    stats, _ = exact_under_auto(loaded, lines(False)[:4], 1, [])
     assert sum(stats.mtp_proposed_by_position) == 0, "the chains rested"
     assert stats.prefix_hits == 3
     assert stats.cached_tokens >= 3 * (len(SHARED) - 1)
-    plain, _ = run(loaded, requests, max_batch=1, prefix_cache=False)
-    assert results == plain
 
 
 def test_no_prompt_row_is_fed_where_every_chain_rests(
@@ -117,14 +127,9 @@ def test_no_prompt_row_is_fed_where_every_chain_rests(
     chains_rest(loaded, tmp_path, monkeypatch)
     fed = count_feeds(monkeypatch)
     # Fewer lines than slots: the engine reads the stream's end as it admits them.
-    requests = lines(False)[:3]
-    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=4, draft_policy="auto"))
-    results = {r.request_id: r.output_ids for r in engine.generate(requests)}
-    stats = engine.stats()
+    stats, made = exact_under_auto(loaded, lines(False)[:3], 4, fed)
     assert stats.prefix_hits == 2 and stats.cached_tokens == 2 * len(SHARED)
-    assert fed == []
-    plain, _ = run(loaded, requests, max_batch=4, prefix_cache=False)
-    assert results == plain
+    assert made == []
 
 
 def test_a_source_that_ends_on_its_first_token_has_its_prompt_read_for_its_waiters(
@@ -139,13 +144,9 @@ def test_a_source_that_ends_on_its_first_token_has_its_prompt_read_for_its_waite
     fed = count_feeds(monkeypatch)
     first, *rest = lines(False)[:3]
     requests = [Request(first.request_id, first.prompt_ids, SamplingParams(max_tokens=1)), *rest]
-    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=4, draft_policy="auto"))
-    results = {r.request_id: r.output_ids for r in engine.generate(requests)}
-    stats = engine.stats()
+    stats, made = exact_under_auto(loaded, requests, 4, fed)
     assert stats.prefix_hits == 2 and stats.cached_tokens >= 2 * (len(SHARED) - 1)
-    assert fed and fed[0][0] == 0 and sum(rows for _, rows in fed) >= len(SHARED)
-    plain, _ = run(loaded, requests, max_batch=4, prefix_cache=False)
-    assert results == plain
+    assert made and made[0][0] == 0 and sum(rows for _, rows in made) >= len(SHARED)
 
 
 def test_a_held_prompt_no_later_line_reuses_is_never_fed(
@@ -160,12 +161,9 @@ def test_a_held_prompt_no_later_line_reuses_is_never_fed(
     fed = count_feeds(monkeypatch)
     params = SamplingParams(max_tokens=6)
     requests = [Request(str(i), tuple(range(10 + 20 * i, 30 + 20 * i)), params) for i in range(4)]
-    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=1, draft_policy="auto"))
-    results = {r.request_id: r.output_ids for r in engine.generate(requests)}
-    assert engine.stats().prefix_hits == 0
-    assert fed == []
-    plain, _ = run(loaded, requests, max_batch=1, prefix_cache=False)
-    assert results == plain
+    stats, made = exact_under_auto(loaded, requests, 1, fed)
+    assert stats.prefix_hits == 0
+    assert made == []
 
 
 def test_a_held_prompt_is_fed_only_as_far_as_the_next_line_reuses_it(
@@ -182,14 +180,10 @@ def test_a_held_prompt_is_fed_only_as_far_as_the_next_line_reuses_it(
     params = SamplingParams(max_tokens=6)
     first = Request("0", tuple(SHARED + list(range(80, 110))), params)
     second = Request("1", (*SHARED, 50), params)
-    engine = Engine.from_loaded(loaded, EngineConfig(max_batch=1, draft_policy="auto"))
-    results = {r.request_id: r.output_ids for r in engine.generate([first, second])}
-    stats = engine.stats()
+    stats, made = exact_under_auto(loaded, [first, second], 1, fed)
     assert stats.prefix_hits == 1 and stats.cached_tokens >= len(SHARED) - 1
-    assert fed and all(start == 0 for start, _ in fed)
-    assert sum(rows for _, rows in fed) <= len(SHARED) + 1
-    plain, _ = run(loaded, [first, second], max_batch=1, prefix_cache=False)
-    assert results == plain
+    assert made and all(start == 0 for start, _ in made)
+    assert sum(rows for _, rows in made) <= len(SHARED) + 1
 
 
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
