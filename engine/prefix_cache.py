@@ -192,8 +192,7 @@ class PrefixCache:
         if not self.lender.lend(source, seq, start, reuse.length):
             return False
         self._copy(source, seq, reuse.length)
-        seq.seq_len = seq.cached = reuse.length
-        seq.head_rows = seq.head_floor = start
+        self._start(seq, reuse.length, head=start)
         return True
 
     def _copy(self, source: SeqState, seq: SeqState, length: int) -> None:
@@ -205,10 +204,14 @@ class PrefixCache:
         return length if length >= MIN_REUSE else 0
 
     @staticmethod
-    def _start(seq: SeqState, length: int) -> None:
-        seq.seq_len = seq.cached = seq.head_floor = length
+    def _start(seq: SeqState, length: int, head: int | None = None) -> None:
+        """``seq`` reuses ``length`` positions, its MTP modules' rows below
+        ``head`` (all ``length`` unless lent rows follow them)."""
+        head = length if head is None else head
+        seq.seq_len = seq.cached = length
+        seq.head_floor = head
         if seq.head_rows is not None:
-            seq.head_rows = length
+            seq.head_rows = head
 
 
 def _reach(seq: SeqState) -> int:

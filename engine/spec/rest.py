@@ -96,8 +96,8 @@ class SeqRest:
         return self.held[0][0] if self.held else start
 
     def rows_between(self, start: int, end: int) -> torch.Tensor | None:
-        """The rows at positions ``start..end-1``, held or last released
-        (None: not all of them)."""
+        """The rows at positions ``start..end-1``, held or released while
+        requests waited (None: not all of them)."""
         if start >= end:
             return None
         if self.held and self.held[0][0] <= start <= end <= self.held[0][0] + self._held_count:
