@@ -254,6 +254,7 @@ class Engine:
         self._admit()
         self._attach_ready()
         self._queues.attached = len(self._prefixes.waiting) if self._prefixes is not None else 0
+        self._queues.free_slots = len(self._free_slots)
         # 2. The step: prefill a chunk, draft, verify, draft the next chain.
         done = self._path.run(self._queues, times)
         # 3. Finish: free slots, store in the shared cache, hand back results.

@@ -249,6 +249,7 @@ class AutoPolicy:
     def before_head(self, batch: Sequence[SeqState], queues: Queues) -> None:
         """Chooses the chains worth this step's head forward together."""
         self._released = 0
+        self.rest.draining = queues.draining()
         if self._quiet:
             return
         seqs = [s for s in batch if not s.finished]

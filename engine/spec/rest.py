@@ -20,7 +20,13 @@ than for one). A resting chain starts again when it is worth its share, as
 the estimates it is priced by move (the other chains' drafts and the copies
 score the run's rates), or once ``HOLD_MAX`` rows wait; never while the
 rows it holds are more than it could repay before the sequence ends
-(``repays_held``).
+(``repays_held``). Nor, while the run drains (a slot is free and no
+request will join the steps to come: the batch only thins), does a chain
+start that has rested since its prompt: its first feed would be its prompt
+and all it wrote, paid at once on an acceptance never measured for it,
+with the last steps of a thinning batch left to repay it. Only a run that
+has not scored a single first draft of the head still starts one there: it
+is that run's one way to learn the head.
 
 What pays is decided by pure functions of the costs and estimates
 (``chain_margin``, ``repays_held``, ``chains_sharing``, ``joins``);
@@ -134,6 +140,9 @@ class ChainRest:
         # ``chain_margin``'s last answer, by live count and the versions of
         # what it reads: every resting sequence of a batch asks it every step.
         self._margin: tuple[object, tuple[float, float]] | None = None
+        # The batch only thins from here (``Queues.draining``), as of the
+        # last ``AutoPolicy.before_head``.
+        self.draining = False
 
     def for_seq(self, seq: SeqState) -> SeqRest:
         own = self._seqs.get(seq)
@@ -203,7 +212,14 @@ class ChainRest:
         return self._margin[1]
 
     def repays_held(self, seq: SeqState, live: int) -> bool:
-        """``repays_held`` for ``seq``'s resting chain and the rows it holds."""
+        """``repays_held`` for ``seq``'s resting chain and the rows it holds;
+        never, while the run drains (``draining``), for a chain that has
+        rested since its prompt (not valued yet) and holds rows past it, once
+        the run has scored a first draft of the head."""
+        if self.draining and seq.seq_len > seq.prompt_len:
+            unvalued = self.budget.for_seq(seq).chain_value is None
+            if unvalued and self.budget.rates.counts(("mtp", 0))[1] > 0:
+                return False
         margin, rate = self.chain_margin(live)
         held = self.for_seq(seq).held_rows()
         return repays_held(margin, rate, tokens_left(seq), held, self.budget.costs.held_row_s())

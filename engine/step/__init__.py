@@ -35,10 +35,18 @@ class Queues:
     decoding: list[SeqState] = field(default_factory=list)
     stream_done: bool = False  # the request stream has ended: nothing will join
     attached: int = 0  # hold a slot and wait to copy a prompt prefix (``prefix_cache.py``)
+    free_slots: int = 0  # slots no request holds, after this step's admission
 
     def running(self) -> int:
         """Decoding sequences that have not finished."""
         return sum(1 for s in self.decoding if not s.finished)
+
+    def draining(self) -> bool:
+        """The batch only thins from here: a slot is free, the stream has
+        ended, and no request waits for a slot, reads its prompt or waits to
+        copy a prefix."""
+        joining = self.waiting or self.prefilling or self.attached
+        return self.free_slots > 0 and self.stream_done and not joining
 
 
 @dataclass

@@ -201,6 +201,56 @@ def test_above_max_seqs_no_chain_drafts_where_none_could_pay_until_the_batch_thi
     assert list(fed) == [0] and len(fed[0].next_ids) == 21
 
 
+def verified_step(policy: AutoPolicy, batch: list[SeqState], queues: Queues) -> list[int]:
+    """``head_step`` with a verify between the plan and the head, where every
+    draft is accepted; returns the slots fed."""
+    policy.take_drafts(batch, queues)
+    produced = {seq.slot: [*seq.pending_drafts, 9] for seq in batch}
+    verify_rows = sum(len(tokens) for tokens in produced.values())
+    policy.verified(StepTimes(verify_s=0.010, verify_rows=verify_rows, produced=produced))
+    starts = [seq.seq_len for seq in batch]
+    for seq in batch:
+        seq.emit(produced[seq.slot], None)
+        seq.seq_len += len(produced[seq.slot])
+        seq.set_drafts([])
+    policy.before_head(batch, queues)
+    fed = []
+    for seq, start in zip(batch, starts, strict=True):
+        next_ids = seq.history[start + 1 : seq.seq_len + 1]
+        rows = torch.zeros(len(next_ids), HIDDEN)
+        if policy.head_feed(seq, start, next_ids, rows, len(batch)) is not None:
+            fed.append(seq.slot)
+            draft(policy, seq)
+    return fed
+
+
+def test_while_the_batch_only_thins_a_chain_that_rested_since_its_prompt_stays_at_rest() -> None:
+    # Two sequences are left of sixteen: one whose chain drafted, and was
+    # verified, before the others joined; one whose chain rested from its
+    # prompt on. While a request may still join, or while no slot is free,
+    # both draft again with the rows they hold; once none will (the stream
+    # has ended and slots are free), only the first. A run that has verified
+    # no draft of the head at all still starts both: it learns the head so.
+    def drafting_when_two_are_left(
+        stream_done: bool, free_slots: int = 14, alone: int = 3
+    ) -> list[int]:
+        policy = policy_on(costs_a_token_a_row_at_sixteen())
+        valued = decoding(0, max_tokens=1000)
+        batch = [valued, *(decoding(slot, max_tokens=1000) for slot in range(1, 16))]
+        for step in range(alone + 20):
+            live = [valued] if step < alone else batch
+            fed = verified_step(policy, live, Queues(decoding=live))
+            assert fed == ([0] if step < alone else [])
+        left = batch[:2]
+        queues = Queues(decoding=left, stream_done=stream_done, free_slots=free_slots)
+        return verified_step(policy, left, queues)
+
+    assert drafting_when_two_are_left(stream_done=False) == [0, 1]
+    assert drafting_when_two_are_left(stream_done=True, free_slots=0) == [0, 1]
+    assert drafting_when_two_are_left(stream_done=True) == [0]
+    assert drafting_when_two_are_left(stream_done=True, alone=0) == [0, 1]
+
+
 def test_without_the_rest_every_chain_drafts_even_where_none_could_pay() -> None:
     # The ablation of the rest (``budget.MECHANISMS``) turns quiet steps off too.
     policy = policy_on(costs_a_token_a_row_at_sixteen(), without=("rest",))
