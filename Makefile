@@ -122,8 +122,9 @@ bench-budget: setup
 
 # What each mechanism of the draft budget earns: the budget whole against the
 # budget with each mechanism off, same run, step by step, at batch 1 and 16, on
-# the held-out sets. Writes the bench-ablation section of docs/benchmarks.md.
-ABLATION_SETS ?= bench_prompts/code_gen.jsonl bench_prompts/chat_tasks.jsonl bench_prompts/table_tasks.jsonl bench_prompts/math_steps.jsonl bench_prompts/short_answers.jsonl bench_prompts/log_summaries.jsonl
+# the held-out sets and prose. Writes the bench-ablation section of
+# docs/benchmarks.md.
+ABLATION_SETS ?= sample_prompts/prose.jsonl bench_prompts/code_gen.jsonl bench_prompts/chat_tasks.jsonl bench_prompts/table_tasks.jsonl bench_prompts/math_steps.jsonl bench_prompts/short_answers.jsonl bench_prompts/log_summaries.jsonl
 bench-ablation: setup
 	$(PY) -m metrale.engine.bench.ablation $(ABLATION_SETS) --single 3 --repeats 3
 

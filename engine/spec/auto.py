@@ -21,8 +21,8 @@ invariants:
 A sequence's own copies come from the longest agreement
 (``PromptLookupSeq(longest=True)``): the earlier occurrence of its last
 token whose preceding tokens agree longest with its own (on one token
-before it at least), offered up to the copy caps without the fixed rule's window and cooldown;
-the plan prices each copy by its agreement instead.
+before it at least), offered up to the copy caps without the fixed rule's
+window and cooldown: the plan prices each copy by its position instead.
 
 The head: a sequence whose chain is not worth the head forward rests and
 holds its verified rows; the head takes them all, in order, when it drafts
@@ -81,7 +81,6 @@ class Offer:
     drafts: int  # of the chosen source
     chain: list[int]
     copy: list[int]
-    agreement: int  # the copy's agreement (``PromptLookupSeq.agreement``)
 
 
 def take_planned_drafts(
@@ -106,12 +105,7 @@ def take_planned_drafts(
         copy = None
         if copying and cfg is not None:
             copy = propose_copy(seq, cfg, shared, path_cap, 0, longest=True)
-        sure = 1 + len(forced)
-        lookup = lookup_of(seq)
-        agreement = lookup.agreement if copy and lookup is not None else 0
-        if "agreement" in budget.without:
-            agreement = 0
-        candidates.append(Candidates(seq, sure, chain, copy or [], agreement))
+        candidates.append(Candidates(seq, 1 + len(forced), chain, copy or []))
     picked = budget.plan(candidates)
     took: list[CopyTaken] = []
     offers: list[Offer] = []
@@ -126,7 +120,7 @@ def take_planned_drafts(
             if c.copy and lookup is not None:
                 lookup.abandon()
             seq.set_drafts(c.chain[:n])
-        offers.append(Offer(seq, source, n, c.chain, c.copy, c.agreement))
+        offers.append(Offer(seq, source, n, c.chain, c.copy))
     return took, offers
 
 
@@ -144,9 +138,9 @@ def score_offers(
         if tokens is None:
             continue
         if seq.request.params.greedy:
-            budget.observe(seq, tokens, offer.chain, offer.copy, offer.agreement)
+            budget.observe(seq, tokens, offer.chain, offer.copy)
         elif offer.source != "none":
-            budget.observe_counts(seq, offer.source, offer.drafts, len(tokens) - 1, offer.agreement)
+            budget.observe_counts(seq, offer.source, offer.drafts, len(tokens) - 1)
 
 
 class AutoPolicy:
@@ -164,7 +158,6 @@ class AutoPolicy:
     ) -> None:
         self.budget = DraftBudget(costs or CostModel(), without)
         self.rest = ChainRest(self.budget)
-        self.without = frozenset(without)
         self.lookup, self.shared = lookup, shared
         # Any chain may be as long as the ladder's longest: the plan cuts it.
         self._chain_cap = ladder.longest
@@ -247,14 +240,10 @@ class AutoPolicy:
         return DraftFeed(seq, start, next_ids, num_drafts), rows
 
     def before_head(self, batch: Sequence[SeqState], queues: Queues) -> None:
-        """Chooses the chains worth this step's head forward together."""
+        """Readies the step's head forward: the held rows it takes are counted
+        afresh, and the rest learns whether the batch only thins from here."""
         self._released = 0
         self.rest.draining = queues.draining()
-        if self._quiet:
-            return
-        seqs = [s for s in batch if not s.finished]
-        if "share_head" not in self.without:
-            self.rest.share_head(seqs, queues.running())
 
     def head_feed(
         self,
@@ -285,11 +274,10 @@ class AutoPolicy:
             self.costs.head.observe(len(feeds), seconds / forwards)
 
     def chain_drafted(self, seq: SeqState, drafts: list[int]) -> None:
-        """A chain drafted on the device: its drafts are priced by their depth
-        (the device reads back no confidence)."""
-        self.budget.start_chain(seq)
+        """A chain drafted on the device."""
+        self.budget.clear_chain(seq)
         for depth in range(len(drafts)):
-            self.budget.drafted(seq, depth, None)
+            self.budget.drafted(seq, depth)
 
     def end_step(self, times: StepTimes) -> None:
         if times.verify_s > 0:

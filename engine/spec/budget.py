@@ -11,11 +11,11 @@ the costs, the rate the last plan predicted, and what each sequence's chain
 is worth (``chain_value``, ``predicted_value``). Which chains the head
 drafts for after a verify, and the rows a resting chain holds, are
 ``rest.py``'s; it reads these prices and never writes them, except to drop
-the keys of a chain that rests (``drop_chain``).
+the keys of a chain that rests (``clear_chain``).
 
 Estimates (``estimates.py``, one ``Rates`` for the run): the probability that
 a draft is accepted given that every draft before it was, per copy position
-and agreement bin and per MTP depth and confidence bin. For a greedy request
+and per MTP depth. For a greedy request
 every source is scored after the verify against the tokens it produced,
 whether it was verified or not: a draft agrees with greedy output exactly
 when the verify would have accepted it, so a source the plan left out still
@@ -28,14 +28,11 @@ expected tokens over the predicted step time (``cost.py``) wins. What the
 chain added to a step's plan, over the other source, is its value, followed
 from step to step. A chain runs one more position only where that draft,
 with every one before it, is worth its verify row and its share of the head
-forward (``deeper``). What a chain added to a plan (``chain_worth``) and what
-one not valued yet is expected to add (``first_draft_worth``) are pure
-functions; ``DraftBudget`` keeps the state they are asked about.
+forward (``deeper``). What a chain added to a plan (``chain_worth``) is a
+pure function; ``DraftBudget`` keeps the state it is asked about.
 
-Exactness: the plan only decides how many drafts a verify checks. For a
-sampled request nothing it uses depends on a draft's draw: its first draft is
-priced by the confidence of the distribution it is drawn from, before the
-draw, and later ones by their depth alone.
+Exactness: the plan only decides how many drafts a verify checks, from
+estimates by position and depth: nothing it uses depends on a draft's draw.
 """
 
 from __future__ import annotations
@@ -49,14 +46,12 @@ from metrale.engine.sequence import SeqState
 from metrale.engine.spec.copies import bucket_width
 from metrale.engine.spec.cost import CostModel, RunningCosts
 from metrale.engine.spec.estimates import (
-    CONFIDENCE_EDGES,
     COPY_POSITIONS,
     RUN_DECAY,
     RUN_STRENGTH,
     Key,
     Rates,
     accepted_prefix,
-    confidence_bin,
     copy_key,
     copy_keys,
     cumulative,
@@ -68,25 +63,13 @@ from metrale.engine.stats import BudgetStats
 # The mechanisms an ablation may turn off (``DraftBudget(without=...)``):
 # rest: a chain that does not pay rests and holds its rows (else every chain
 #   drafts every step);
-# share_head: the chains of a step are priced together against the head
-#   forward they share (else each against a forward of its own);
 # deeper: the chain stops where a draft does not pay its row (else it runs to
-#   its cap and the plan alone cuts it);
-# confidence: an MTP draft is priced by its confidence bin (else its depth);
-# agreement: a copy is priced by its agreement bin (else its position);
-MECHANISMS = frozenset(
-    {
-        "rest",
-        "share_head",
-        "deeper",
-        "confidence",
-        "agreement",
-    }
-)
+#   its cap and the plan alone cuts it).
+MECHANISMS = frozenset({"rest", "deeper"})
 # The chain goes one position deeper when that draft's worth pays its head
-# forward and this share of its verify row: the plan makes the final cut with
-# the draft's own confidence, which the average at its depth hides, so the
-# chain errs on the side of offering one draft too many.
+# forward and this share of its verify row: the plan makes the final cut
+# with the whole step's prices (the copy beside the chain, the batch's
+# rows), so the chain errs on the side of offering one draft too many.
 ROW_SHARE = 0.5
 # How fast a chain's value follows what it added to the latest plan.
 VALUE_ALPHA = 0.2
@@ -99,7 +82,6 @@ class SeqBudget:
     rates: Rates
     chain_keys: list[Key] = field(default_factory=list)  # one per MTP draft, in order
     chain_odds: float = 1.0  # the chance every chain draft so far is accepted
-    chain_gain: float = 0.0  # expected accepted drafts of the chain so far
     # Expected tokens a step the chain added over the other source: decayed
     # over the steps whose plan could choose it; None before its chain first
     # ran (``DraftBudget.predicted_value`` stands for it).
@@ -108,11 +90,11 @@ class SeqBudget:
     def chain_gains(self, drafts: int) -> list[float]:
         return cumulative(self.rates.rate(k) for k in self.chain_keys[:drafts])
 
-    def copy_gains(self, drafts: int, agreement: int = 0) -> list[float]:
+    def copy_gains(self, drafts: int) -> list[float]:
         """A copy of 4 or more is verified at a power-of-two width only
         (``copies.bucket_copy``): a width between gains no more than the one
         below it, so the plan never picks it."""
-        gains = cumulative(self.rates.rate(k) for k in copy_keys(drafts, agreement))
+        gains = cumulative(self.rates.rate(k) for k in copy_keys(drafts))
         return [gains[bucket_width(n) - 1] for n in range(1, drafts + 1)]
 
 
@@ -124,7 +106,6 @@ class Candidates:
     sure_rows: int  # 1 + forced drafts
     chain: list[int]  # its MTP drafts (after any forced run)
     copy: list[int]  # its copy proposal; [] when none
-    agreement: int = 0  # tokens the copy's source agreed on before it; 0: unknown
 
 
 class DraftBudget:
@@ -143,7 +124,7 @@ class DraftBudget:
         self.rate_s = 0.0  # tokens/s the last plan predicted
         self.marginal_s = 0.0  # one more verify row per sequence, per row
         # ``_first_draft_terms``' last answer, by what it reads.
-        self._terms: tuple[object, tuple[float, float, list[tuple[int, float]]]] | None = None
+        self._terms: tuple[object, tuple[float, float]] | None = None
         self._chosen: dict[str, Counter[int]] = {"mtp": Counter(), "copy": Counter()}
         self._none = 0
         self._predicted_s = self._measured_s = 0.0
@@ -160,23 +141,19 @@ class DraftBudget:
             own = self._seqs[seq] = SeqBudget(self.rates)
         return own
 
-    def drop_chain(self, seq: SeqState) -> None:
-        """Forgets the keys of ``seq``'s chain: it rests, and drafts nothing."""
-        self.for_seq(seq).chain_keys = []
+    def clear_chain(self, seq: SeqState) -> None:
+        """Forgets ``seq``'s chain: a new one starts, or it rests."""
+        budget = self.for_seq(seq)
+        budget.chain_keys, budget.chain_odds = [], 1.0
 
-    def predicted_value(self, seq: SeqState, live: int = 1) -> float:
-        """What ``seq``'s chain is expected to add a step before it was valued
-        (``SeqBudget.chain_value``), in tokens: its first draft's worth less
-        the time of its verify row at the current rate (the plan's own
-        pricing; before the first plan, or where the last priced fewer
-        sequences than ``live``, at the rate of a step of ``live`` rows),
-        read per confidence bin at the sequence's own acceptance there (its
-        estimate over the run's) and weighed by how often the run's
-        first drafts fell in that bin. The plan verifies a draft only where
-        it is worth its row, so a bin worth less adds nothing. Before any
-        first draft was scored: the sequence's first-draft estimate less its row."""
-        _, row, shares = self._first_draft_terms(live)
-        return first_draft_worth(self.for_seq(seq).rates, row, shares)
+    def predicted_value(self, live: int = 1) -> float:
+        """What a chain is expected to add a step before it was valued
+        (``SeqBudget.chain_value``), in tokens: the run's first-draft
+        estimate less the time of its verify row at the current rate (the
+        plan's own pricing; before the first plan, or where the last priced
+        fewer sequences than ``live``, at the rate of a step of ``live``
+        rows). It may be below 0."""
+        return self.rates.rate(("mtp", 0)) - self._first_draft_terms(live)[1]
 
     def chain_rate(self, live: int) -> float:
         """The rate that prices a chain, in tokens/s: the last plan's, or a
@@ -184,27 +161,21 @@ class DraftBudget:
         priced fewer sequences than ``live``."""
         return self._first_draft_terms(live)[0]
 
-    def _first_draft_terms(self, live: int) -> tuple[float, float, list[tuple[int, float]]]:
+    def _first_draft_terms(self, live: int) -> tuple[float, float]:
         """``predicted_value``'s run-wide terms: the rate that prices a chain
-        (``chain_rate``), a first draft's verify row in tokens at that rate,
-        and the share of the run's scored first drafts per confidence bin
-        (``[]`` before any)."""
+        (``chain_rate``) and a first draft's verify row in tokens at that rate."""
         # The last plan's prices, unless it priced fewer sequences than share
         # the steps to come (the first of a batch to decode, its others
         # still reading their prompts): then a step of ``live`` rows'.
         planned = self.planned > 0 and self._plan_seqs >= live
-        key = (
-            (self.rate_s, self.marginal_s, self.rates.observed)
-            if planned
-            else (live, self.costs.version, self.rates.observed)
-        )
+        key = (self.rate_s, self.marginal_s) if planned else (live, self.costs.version)
         if self._terms is None or self._terms[0] != key:
             rate, marginal = self.rate_s, self.marginal_s
             if not planned:
                 step_s = self.costs.step_s(live)
                 rate = live / step_s if step_s > 0 else 0.0
                 marginal = self.marginal(live, live)
-            self._terms = key, (rate, rate * marginal, first_draft_shares(self.rates))
+            self._terms = key, (rate, rate * marginal)
         return self._terms[1]
 
     def marginal(self, rows: int, seqs: int) -> float:
@@ -224,7 +195,7 @@ class DraftBudget:
                 opts.append(budget.chain_gains(len(c.chain)))
                 names.append("mtp")
             if c.copy:
-                opts.append(budget.copy_gains(len(c.copy), c.agreement))
+                opts.append(budget.copy_gains(len(c.copy)))
                 names.append("copy")
             options.append(opts)
             sources.append(names)
@@ -266,33 +237,23 @@ class DraftBudget:
         budget = self.for_seq(seq)
         own = budget.chain_value
         if own is None:
-            own = self.predicted_value(seq, live)
+            own = self.predicted_value(live)
         budget.chain_value = own + VALUE_ALPHA * (value - own)
 
     # -- the chain ------------------------------------------------------------
 
-    def start_chain(self, seq: SeqState) -> None:
+    def drafted(self, seq: SeqState, depth: int) -> None:
+        """Records the chain's draft at ``depth``."""
         budget = self.for_seq(seq)
-        budget.chain_keys, budget.chain_odds, budget.chain_gain = [], 1.0, 0.0
-
-    def drafted(self, seq: SeqState, depth: int, top_prob: float | None) -> None:
-        """Records the chain's draft at ``depth`` (``top_prob``: the module's
-        top probability there, or None when it may not be used)."""
-        budget = self.for_seq(seq)
-        if "confidence" in self.without:
-            top_prob = None
-        key: Key = ("mtp", depth) if top_prob is None else ("mtp", depth, confidence_bin(top_prob))
-        budget.chain_keys.append(key)
-        budget.chain_odds *= budget.rates.rate(key)
-        budget.chain_gain += budget.chain_odds
+        budget.chain_keys.append(("mtp", depth))
+        budget.chain_odds *= budget.rates.rate(("mtp", depth))
 
     def deeper(self, seq: SeqState, depth: int, live: int) -> bool:
         """Whether the head runs chain position ``depth`` for ``seq``, given the
         drafts before it and ``live`` sequences sharing that head forward."""
-        budget = self.for_seq(seq)
         if "deeper" in self.without:
             return True
-        worth = budget.chain_odds * budget.rates.rate(("mtp", depth))
+        worth = self.for_seq(seq).chain_odds * self.rates.rate(("mtp", depth))
         head = self.costs.head.predict(live) / max(live, 1)
         return worth >= self.rate_s * (ROW_SHARE * self.marginal_s + head)
 
@@ -304,29 +265,26 @@ class DraftBudget:
         produced: Sequence[int],
         chain: Sequence[int],
         copy: Sequence[int],
-        agreement: int = 0,
     ) -> None:
         """Scores a greedy sequence's chain and copy drafts against the tokens
         its verify ``produced`` after the sure rows (module doc): each draft
         agrees with greedy output exactly when the verify would accept it."""
         budget = self.for_seq(seq)
-        copied = copy_keys(len(copy), agreement)
+        copied = copy_keys(len(copy))
         for keys, drafts in ((budget.chain_keys, chain), (copied, copy)):
             agreed = [d == t for d, t in zip(drafts, produced, strict=False)]
             score(budget.rates, keys, len(agreed), len(accepted_prefix(agreed)))
 
-    def observe_counts(
-        self, seq: SeqState, source: str, proposed: int, accepted: int, agreement: int = 0
-    ) -> None:
+    def observe_counts(self, seq: SeqState, source: str, proposed: int, accepted: int) -> None:
         """A sampled sequence's verified drafts: only what was verified is known."""
         budget = self.for_seq(seq)
-        keys = budget.chain_keys if source == "mtp" else copy_keys(proposed, agreement)
+        keys = budget.chain_keys if source == "mtp" else copy_keys(proposed)
         score(budget.rates, keys, proposed, accepted)
 
     def end_step(self, measured_s: float, verify_s: float, head_s: float = 0.0) -> None:
         """A step that verified: its measured time against the plan's, both
         without the head's forwards after the verify (``head_s``), which
-        the rest's shared head (``rest.py``) and ``deeper`` price apart:
+        the chain's rest (``rest.py``) prices apart:
         counted in the rest of the step, they would lower the rate every row
         is priced at."""
         if self._plan is None:
@@ -386,27 +344,6 @@ def chain_worth(
         for m, gain in enumerate(opts[1], 1):
             other = max(other, gain - rate * (step_s(without + m) - base))
     return max(worth - other, 0.0)
-
-
-def first_draft_shares(rates: Rates) -> list[tuple[int, float]]:
-    """``(confidence bin, share)`` of the run's scored first MTP drafts that
-    fell in each bin seen; ``[]`` before any was scored."""
-    bins = [rates.counts(("mtp", 0, b))[1] for b in range(len(CONFIDENCE_EDGES) + 1)]
-    total = sum(bins)
-    return [(b, seen / total) for b, seen in enumerate(bins) if seen > 0] if total else []
-
-
-def first_draft_worth(rates: Rates, row: float, shares: Sequence[tuple[int, float]]) -> float:
-    """What a chain not valued yet is expected to add a step
-    (``DraftBudget.predicted_value``): its first draft's acceptance less
-    ``row``, the draft's verify row in tokens, read per confidence bin and
-    weighed by ``shares`` (``first_draft_shares``). The plan verifies a
-    draft only where it is worth its row, so a bin worth less adds nothing.
-    Before any first draft was scored (no shares): the first-draft estimate
-    less its row, which may be below 0."""
-    if not shares:
-        return rates.rate(("mtp", 0)) - row
-    return sum(share * max(rates.rate(("mtp", 0, b)) - row, 0.0) for b, share in shares)
 
 
 def marginal_row_s(verify: RunningCosts, rows: int, seqs: int) -> float:

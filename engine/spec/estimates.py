@@ -1,14 +1,11 @@
 """Acceptance estimates: the chance a draft is accepted given that every
 draft before it was, per key, for the draft budget (``budget.py``).
 
-Contract: a key is ``("copy", position, agreement bin)`` or ``("copy",
-position)`` for a prompt-lookup copy (the bin: how many tokens before the
-copied stretch agreed with the sequence's own), and ``("mtp", depth,
-confidence bin)`` or ``("mtp", depth)`` for the MTP chain (the bin: the
-module's own top probability). ``Rates`` keeps decayed (accepted, seen)
-counts per key, each over its parent's estimate (``_parent``: a bin from its
-position or depth, a position from the one before it), so what one key has
-seen informs those not seen yet. Positions and depths count from 1 and 0.
+Contract: a key is ``("copy", position)`` for a prompt-lookup copy and
+``("mtp", depth)`` for the MTP chain. ``Rates`` keeps decayed (accepted,
+seen) counts per key, each over its parent's estimate (``_parent``: the
+position or depth before it), so what one key has seen informs those not
+seen yet. Positions and depths count from 1 and 0.
 """
 
 from __future__ import annotations
@@ -21,11 +18,6 @@ Key = tuple[object, ...]
 
 # Copy positions beyond this share one estimate.
 COPY_POSITIONS = 8
-# Upper edges (exclusive) of the bins a copy is scored in by the tokens its
-# source agreed on before it.
-AGREEMENT_EDGES = (3, 4, 8, 16)
-# Upper edges of the confidence bins an MTP draft is scored in.
-CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.85, 0.95)
 # What a run believes of a first draft before it has seen one, and how
 # firmly every estimate holds to the one it starts from (in drafts).
 FIRST_PRIOR = 0.5
@@ -33,19 +25,10 @@ RUN_STRENGTH = 2.0
 RUN_DECAY = 0.995
 
 
-def confidence_bin(top_prob: float) -> int:
-    for index, edge in enumerate(CONFIDENCE_EDGES):
-        if top_prob < edge:
-            return index
-    return len(CONFIDENCE_EDGES)
-
-
 def _parent(key: Key) -> Key | None:
-    """The estimate a key's own starts from: an MTP draft's confidence bin
-    from its depth; a depth, or a copy position, from the one before it (a
-    chain that has held so far is believed to hold on); None: ``FIRST_PRIOR``."""
-    if len(key) == 3:
-        return key[:2]
+    """The estimate a key's own starts from: a depth, or a copy position,
+    from the one before it (a chain that has held so far is believed to hold
+    on); None: ``FIRST_PRIOR``."""
     position = int(key[1])  # type: ignore[call-overload]
     first = 0 if key[0] == "mtp" else 1
     return (key[0], position - 1) if position > first else None
@@ -77,20 +60,12 @@ class Rates:
         self.observed += 1
 
 
-def copy_key(position: int, agreement: int = 0) -> Key:
-    key: Key = ("copy", min(position, COPY_POSITIONS))
-    return key if agreement <= 0 else (*key, agreement_bin(agreement))
+def copy_key(position: int) -> Key:
+    return ("copy", min(position, COPY_POSITIONS))
 
 
-def copy_keys(drafts: int, agreement: int = 0) -> list[Key]:
-    return [copy_key(j, agreement) for j in range(1, drafts + 1)]
-
-
-def agreement_bin(agreement: int) -> int:
-    for index, edge in enumerate(AGREEMENT_EDGES):
-        if agreement < edge:
-            return index
-    return len(AGREEMENT_EDGES)
+def copy_keys(drafts: int) -> list[Key]:
+    return [copy_key(j) for j in range(1, drafts + 1)]
 
 
 def accepted_prefix(agreed: Sequence[bool]) -> list[bool]:
@@ -100,13 +75,9 @@ def accepted_prefix(agreed: Sequence[bool]) -> list[bool]:
 
 def score(rates: Rates, keys: Sequence[Key], proposed: int, accepted: int) -> None:
     """Observes drafts ``1..proposed`` of ``keys`` after a verify that accepted
-    the first ``accepted``: each one reached (all before it accepted) counts,
-    and an MTP draft's confidence bin counts for its depth too."""
+    the first ``accepted``: each one reached (all before it accepted) counts."""
     for j in range(min(proposed, accepted + 1, len(keys))):
-        ok = j < accepted
-        rates.observe(keys[j], ok)
-        if len(keys[j]) == 3:
-            rates.observe(keys[j][:2], ok)
+        rates.observe(keys[j], j < accepted)
 
 
 def cumulative(odds: Iterable[float]) -> list[float]:

@@ -50,9 +50,11 @@ Confidence: a chain stops at the first position where the module's
 probability of its draft is below ``min_prob`` (greedy: its top
 probability; sampled: that of the drawn token under the shaped
 distribution). Each draft costs a verify row and each further position a
-module forward, and an unsure draft is rarely accepted. Where a chain stops
-never matters to the output: acceptance compares drafts with the tokens the
-verify chooses, whatever made them. A sequence left without drafts this way
+module forward, and an unsure draft is rarely accepted. Under a draft
+budget (``budget.py``) no draft is held back for its confidence: the
+budget decides how deep each chain goes and which prefix a verify checks.
+Where a chain stops never matters to the output: acceptance compares drafts
+with the tokens the verify chooses, whatever made them. A sequence left without drafts this way
 is marked declined (``declined``): it may take a prompt-lookup copy as a
 model without MTP would (chain 0). The mark is this module's, kept per
 sequence for as long as the sequence lives; a step that drafts on the device
@@ -133,8 +135,8 @@ class MtpDrafter:
         self.modules = list(modules) if isinstance(modules, Sequence) else [modules]
         assert self.modules, "a drafter needs at least one module"
         self.min_prob = min_prob
-        # With a draft budget, every first draft is kept and the budget decides
-        # how deep each chain goes (``budget.py``); ``min_prob`` is not used.
+        # With a draft budget, every draft is kept and the budget decides how
+        # deep each chain goes (``budget.py``); ``min_prob`` is not used.
         self.budget = budget
         self.forwards = 0  # module forwards run, for the budget's head costs
         # Per module but the last: [num_slots, hidden_size], its output at the
@@ -164,7 +166,7 @@ class MtpDrafter:
         drafts: list[list[int]] = [[] for _ in feeds]
         if self.budget is not None:
             for feed in feeds:
-                self.budget.start_chain(feed.seq)
+                self.budget.clear_chain(feed.seq)
         if len(self.modules) == 1:
             self._chain(feeds, hidden, drafts)
         else:
@@ -339,20 +341,19 @@ class MtpDrafter:
         drafts: list[list[int]],
     ) -> None:
         """Appends each live feed's draft at ``depth``, unless the confidence
-        rule (module doc) holds it back; with a budget, always, telling it the
-        draft's confidence."""
+        rule (module doc) holds it back; with a budget, always, telling it."""
         budget = self.budget
-        argmax, top, sure = self._greedy_reads(logits, gate=budget is None)  # [num_live] each
+        argmax, sure = self._greedy_reads(logits, gate=budget is None)  # [num_live] each
         sampled = [k for k, i in enumerate(live) if feeds[i].seq.noise_key is not None]
         drawn = self._sampled(feeds, live, logits, sampled, depth)
         for k, (draft, confidence) in zip(sampled, drawn, strict=True):
-            argmax[k], top[k] = draft, confidence
+            argmax[k] = draft
             sure[k] = budget is not None or confidence >= self.min_prob
         for k, i in enumerate(live):
             if sure[k]:
                 drafts[i].append(argmax[k])
                 if budget is not None:
-                    budget.drafted(feeds[i].seq, depth, top[k])
+                    budget.drafted(feeds[i].seq, depth)
 
     @staticmethod
     def _sampled(
@@ -385,21 +386,17 @@ class MtpDrafter:
         a budget: the ask and the confidence rule decide)."""
         return self.budget is None or self.budget.deeper(seq, depth, live)
 
-    def _greedy_reads(
-        self, logits: torch.Tensor, gate: bool
-    ) -> tuple[list[int], list[float], list[bool]]:
-        """Per row of ``logits`` ``[rows, vocab]``: the greedy draft, the
-        module's top probability (what a budget is told; 0.0 where nothing
-        reads it) and, under the ``min_prob`` rule (``gate``), whether the
-        draft is likely enough to propose; read back in one device sync."""
+    def _greedy_reads(self, logits: torch.Tensor, gate: bool) -> tuple[list[int], list[bool]]:
+        """Per row of ``logits`` ``[rows, vocab]``: the greedy draft and,
+        under the ``min_prob`` rule (``gate``), whether the module's top
+        probability makes it likely enough to propose; read back in one
+        device sync."""
         argmax = logits.argmax(dim=-1)  # [rows]
-        rows = logits.shape[0]
-        if not gate or self.min_prob > 0.0:
-            top = logits.float().softmax(dim=-1).amax(dim=-1)  # [rows]
-            sure = top >= self.min_prob if gate else torch.ones_like(top, dtype=torch.bool)
-            both = torch.stack([argmax.double(), top.double(), sure.double()]).tolist()
-            return [int(a) for a in both[0]], both[1], [bool(x) for x in both[2]]
-        return argmax.tolist(), [0.0] * rows, [True] * rows
+        if gate and self.min_prob > 0.0:
+            sure = logits.float().softmax(dim=-1).amax(dim=-1) >= self.min_prob  # [rows]
+            both = torch.stack([argmax, sure.long()]).tolist()
+            return both[0], [bool(x) for x in both[1]]
+        return argmax.tolist(), [True] * logits.shape[0]
 
 
 def _drafts_on(cap: int, depth: int, drafts: list[int]) -> bool:

@@ -1,9 +1,9 @@
 """The chain's rest: for which sequences the MTP head drafts after a verify,
 under the draft budget (``--draft-policy auto``).
 
-Contract: ``AutoPolicy`` (``auto.py``) asks ``share_head`` once before the
-head's forward, then ``wants_chain`` per sequence (and per prompt chunk of a
-sequence whose prompt it holds), and reports the forward with ``head_ran``.
+Contract: ``AutoPolicy`` (``auto.py``) asks ``wants_chain`` per sequence
+before the head's forward (and per prompt chunk of a sequence whose prompt
+it holds), and reports the forward with ``head_ran``.
 A sequence whose chain is not wanted rests: its verified rows are kept
 (``hold``) instead of fed, and the head takes every one of them, in order,
 in one feed when it drafts for it again (``release``); held feeds are
@@ -14,11 +14,10 @@ rows of it the sequence holds, or released while the request waited
 costs); this module only reads it, and keeps each sequence's place in the
 head's schedule.
 
-The shared head: the head forward after a verify drafts for the chains worth
-it together (``share_head``: a forward costs little more for many sequences
-than for one). A resting chain starts again when it is worth its share, as
-the estimates it is priced by move (the other chains' drafts and the copies
-score the run's rates), or once ``HOLD_MAX`` rows wait; never while the
+A chain drafts while what it adds a step pays the head's forwards for it
+(``pays_head``). A resting chain starts again when it pays, as the estimates it
+is priced by move (the other chains' drafts and the copies score the run's
+rates), or once ``HOLD_MAX`` rows wait; never while the
 rows it holds are more than it could repay before the sequence ends
 (``repays_held``). Nor, while the run drains (a slot is free and no
 request will join the steps to come: the batch only thins), does a chain
@@ -29,14 +28,13 @@ has not scored a single first draft of the head still starts one there: it
 is that run's one way to learn the head.
 
 What pays is decided by pure functions of the costs and estimates
-(``chain_margin``, ``repays_held``, ``chains_sharing``, ``joins``);
+(``chain_margin``, ``repays_held``, ``pays_head``);
 ``ChainRest`` keeps the state they are asked about.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -44,12 +42,11 @@ import torch
 from metrale.engine.sequence import SeqState
 from metrale.engine.spec.budget import DraftBudget, marginal_row_s
 from metrale.engine.spec.cost import CostModel, RunningCosts
-from metrale.engine.spec.estimates import CONFIDENCE_EDGES, RUN_STRENGTH, Rates
+from metrale.engine.spec.estimates import RUN_STRENGTH, Rates
 
 # How fast the head forwards a step whose chains ran follows the latest.
 FORWARDS_ALPHA = 0.2
-# A chain not among those worth a head forward together (``share_head``,
-# ``wants_chain``) rests, holding its rows (its prompt's too, when it rests
+# A chain not worth its head forwards (``wants_chain``) rests, holding its rows (its prompt's too, when it rests
 # from the start); the head is fed them all in one forward when it drafts
 # again, at the latest once ``HOLD_MAX`` rows wait.
 HOLD_MAX = 512
@@ -66,10 +63,6 @@ class SeqRest:
     """One sequence's place in the head's schedule, and the verified rows the
     head has not been fed yet while its chain rests."""
 
-    # The ``share_head`` choice this sequence was last priced in (its count),
-    # and whether its chain was among those chosen there.
-    shared_at: int = -1
-    shared: bool = False
     held: list[tuple[int, list[int], torch.Tensor]] = field(default_factory=list)
     _held_count: int = 0  # rows in ``held``: asked several times a step by every sequence
     # The rows released to the head while requests wait to copy this
@@ -133,9 +126,6 @@ class ChainRest:
     def __init__(self, budget: DraftBudget) -> None:
         self.budget = budget
         self._seqs: weakref.WeakKeyDictionary[SeqState, SeqRest] = weakref.WeakKeyDictionary()
-        # ``share_head``'s choices so far, and how many chains the last chose.
-        self._shares = 0
-        self._sharing = 0
         self.forwards = 1.0  # head forwards a step whose chains ran, decayed
         # ``chain_margin``'s last answer, by live count and the versions of
         # what it reads: every resting sequence of a batch asks it every step.
@@ -153,7 +143,7 @@ class ChainRest:
     def hold(self, seq: SeqState, start: int, next_ids: list[int], rows: torch.Tensor) -> None:
         """Keeps ``seq``'s rows for the head (``SeqRest.hold``): its chain rests."""
         self.for_seq(seq).hold(start, next_ids, rows)
-        self.budget.drop_chain(seq)
+        self.budget.clear_chain(seq)
 
     def release(
         self, seq: SeqState, start: int, next_ids: list[int], rows: torch.Tensor
@@ -224,85 +214,38 @@ class ChainRest:
         held = self.for_seq(seq).held_rows()
         return repays_held(margin, rate, tokens_left(seq), held, self.budget.costs.held_row_s())
 
-    # -- the shared head ----------------------------------------------------------
-
-    def share_head(self, sequences: Sequence[SeqState], live: int) -> None:
-        """Chooses, for the head forward after this verify, the chains worth
-        it together: the ``k`` sequences of highest value (``chain_value``, or
-        ``predicted_value`` for a chain not valued yet) whose values sum
-        furthest above the time of the head's forwards feeding ``k``, in
-        tokens at the current rate (as many forwards as a step whose chains
-        ran has lately taken, ``head_ran``: a chain that goes deeper runs
-        one more); ``wants_chain`` starts those chains. A sequence whose
-        held rows its chain could not repay (``repays_held``) is left out.
-        A sequence this choice did not price (its prompt completes before
-        its first verify) joins where its value pays what its feed adds to
-        the forward (``_joins``). The forward is priced as if only the
-        chosen chains fed it: chains fed because ``HOLD_MAX`` rows wait are
-        not known yet, so a chain may be left out whose feed would have
-        cost less.
-
-        A head forward costs little more for many sequences than for one, so
-        whether a chain pays its share depends on how many others run
-        theirs: priced one at a time, each would be charged the whole
-        forward."""
-        budget = self.budget
-        self._shares += 1
-        rate = budget.chain_rate(live)
-        valued: list[tuple[float, SeqRest]] = []
-        for seq in sequences:
-            own = self.for_seq(seq)
-            own.shared_at, own.shared = self._shares, False
-            if own.held_rows() and not self.repays_held(seq, live):
-                continue
-            value = budget.for_seq(seq).chain_value
-            if value is None:
-                value = budget.predicted_value(seq, live)
-            valued.append((value, own))
-        valued.sort(key=lambda item: item[0], reverse=True)
-        price = rate * self.forwards
-        chosen = chains_sharing([value for value, _ in valued], price, budget.costs.head)
-        for _, own in valued[:chosen]:
-            own.shared = True
-        self._sharing = chosen
-
-    def _joins(self, value: float, live: int) -> bool:
-        """``joins`` beside the chains ``share_head`` chose last."""
-        price = self.budget.chain_rate(live) * self.forwards
-        return joins(value, price, self.budget.costs.head, self._sharing)
+    # -- the head ---------------------------------------------------------------
 
     def head_ran(self, forwards: int) -> None:
         """The drafter call after a verify ran ``forwards`` head forwards
-        (``share_head`` prices a step's chains by them)."""
+        (``wants_chain`` prices a chain by them)."""
         if forwards:
             self.forwards += FORWARDS_ALPHA * (forwards - self.forwards)
 
     # -- rest -------------------------------------------------------------------
 
     def wants_chain(self, seq: SeqState, live: int, quiet: bool = False) -> bool:
-        """Whether the head drafts for ``seq`` after this verify: while the
-        chain is among those worth the head forward together (``share_head``,
-        or ``_joins`` for a sequence it did not price), and not holding rows
-        it could not repay (``repays_held``), or when ``HOLD_MAX`` rows wait.
-        (Further positions of the chain pay their own forwards,
-        ``DraftBudget.deeper``.)
+        """Whether the head drafts for ``seq`` after this verify: while what
+        its chain adds a step (``chain_value``, or ``predicted_value`` for a
+        chain not valued yet) pays the head's forwards for it (``pays_head``),
+        at as many forwards as a step whose chains ran has lately taken
+        (``head_ran``), and it holds no rows it could not repay
+        (``repays_held``); or when ``HOLD_MAX`` rows wait.
 
         ``quiet`` (``AutoPolicy``'s quiet steps: copies off and no chain
-        able to pay): no share is priced; the chain drafts only once
-        ``HOLD_MAX`` rows wait."""
+        able to pay): no chain is priced; it drafts only once ``HOLD_MAX``
+        rows wait."""
         budget, own = self.budget, self.for_seq(seq)
         if "rest" in budget.without:
             return True
         live = max(live, 1)
-        if quiet:
-            worth = False
-        elif own.shared_at == self._shares:
-            worth = own.shared  # held rows it could not repay: left out there
-        else:
+        worth = False
+        if not quiet:
             value = budget.for_seq(seq).chain_value
             if value is None:
-                value = budget.predicted_value(seq, live)
-            worth = self._joins(value, live)
+                value = budget.predicted_value(live)
+            price = budget.chain_rate(live) * self.forwards
+            worth = pays_head(value, price, budget.costs.head)
             worth = worth and (not own.held_rows() or self.repays_held(seq, live))
         return worth or own.held_rows() >= HOLD_MAX
 
@@ -312,29 +255,20 @@ def chain_margin(costs: CostModel, rates: Rates, live: int) -> tuple[float, floa
     prices it, on a plain step of ``live`` rows at that step's rate: its
     first draft's worth less its verify row, where the plan would verify it,
     less its share of a head forward that all ``live`` sequences share,
-    which it pays every step. The first draft's worth is read per confidence
-    bin, weighed by how often the run's first drafts fell in it, each bin's
-    acceptance taken as high as its counts allow (a bin seen little is
-    believed sure): a head whose top bin is right but rare is worth that
-    bin's share of steps. Before any first draft was scored, a draft sure to
-    be accepted; before any step was measured, ``(1.0, 0.0)``. The bound
-    takes no account of the copies or drafts the plan would otherwise verify
-    (a chain only ever replaces them), nor of how few chains the head
-    forward drafts for (``chains_sharing``)."""
+    which it pays every step. The first draft's acceptance is taken as high
+    as the run's counts allow (a head seen little is believed sure: before
+    any first draft was scored, a draft sure to be accepted); before any
+    step was measured, ``(1.0, 0.0)``. The bound takes no account of the
+    copies or drafts the plan would otherwise verify (a chain only ever
+    replaces them), nor of how few chains the head forward drafts for."""
     step_s = costs.step_s(live)
     if step_s <= 0:  # nothing measured yet
         return 1.0, 0.0
     rate = live / step_s
     row = rate * marginal_row_s(costs.verify, live, live)
     head = rate * costs.head.predict(live) / live
-    bins = [rates.counts(("mtp", 0, b)) for b in range(len(CONFIDENCE_EDGES) + 1)]
-    total = sum(seen for _, seen in bins)
-    if total <= 0:
-        return 1.0 - row - head, rate
-    worth = sum(
-        seen / total * max((accepted + RUN_STRENGTH) / (seen + RUN_STRENGTH) - row, 0.0)
-        for accepted, seen in bins
-    )
+    accepted, seen = rates.counts(("mtp", 0))
+    worth = max((accepted + RUN_STRENGTH) / (seen + RUN_STRENGTH) - row, 0.0)
     return worth - head, rate
 
 
@@ -352,30 +286,9 @@ def repays_held(margin: float, rate: float, tokens: int, held: int, held_row_s: 
     return margin * tokens > rate * held * held_row_s
 
 
-def chains_sharing(values: Sequence[float], price: float, head: RunningCosts) -> int:
-    """How many chains the head forward after a verify drafts for: of
-    ``values`` (what each chain adds a step, in tokens, highest first), the
-    ``k`` first whose sum lies furthest above the time of the head's
-    forwards feeding ``k``, ``price * head.predict(k)`` in tokens (``price``:
-    the rate times the head forwards a step whose chains ran takes); 0 when
-    no count pays. A forward costs little more for many sequences than for
-    one, so chains that could not pay a forward alone may pay one together:
-    at 0.1 token for a forward of one and 0.4 for sixteen, sixteen chains of
-    0.05 pay (0.8 against 0.4), one alone does not."""
-    best, total, chosen = 0.0, 0.0, 0
-    for k, value in enumerate(values, 1):
-        total += value
-        gain = total - price * head.predict(k)
-        if gain > best:
-            best, chosen = gain, k
-    return chosen
-
-
-def joins(value: float, price: float, head: RunningCosts, sharing: int) -> bool:
-    """Whether a chain of ``value`` that ``chains_sharing`` did not price
-    (its prompt completed after the choice) pays what its feed adds to the
-    forward of the ``sharing`` chains chosen, or a forward of its own when
-    none was, at ``price`` (as in ``chains_sharing``). A chain worth
-    nothing never joins, where its feed adds nothing measurable either."""
-    added = head.predict(sharing + 1) - head.predict(sharing) if sharing else head.predict(1)
-    return value > 0 and value >= price * added
+def pays_head(value: float, price: float, head: RunningCosts) -> bool:
+    """Whether a chain of ``value`` (what it adds a step, in tokens) pays a
+    head forward of its own, ``price * head.predict(1)`` in tokens
+    (``price``: the rate times the head forwards a step whose chains ran
+    takes). A chain worth nothing never drafts."""
+    return value > 0 and value >= price * head.predict(1)

@@ -1,8 +1,7 @@
 """The cost-aware draft policy (``--draft-policy auto``, ``spec/auto.py``)
 driven through its ``DraftPolicy`` methods only, as a step calls them, on
 costs set up front and a fake clock: the step's time accounted, the copies
-priced by their agreement, and the head's schedule (rest, shared forward,
-quiet steps)."""
+priced by position, and the head's schedule (rest, quiet steps, the drain)."""
 
 from __future__ import annotations
 
@@ -91,13 +90,11 @@ def test_the_heads_forwards_are_kept_out_of_the_rest_of_the_step() -> None:
     assert snapshot is not None and snapshot.steps == 1
 
 
-@pytest.mark.parametrize("priced_by_agreement", [True, False])
-def test_a_copy_is_priced_by_how_long_its_source_agreed(priced_by_agreement: bool) -> None:
-    # Two sequences offer copies of 4: one whose source agreed on 2 tokens
-    # before the copied stretch, always wrong; one that agreed on 16, always
-    # right. Each agreement's own estimate learns it, and the plan verifies
-    # only the copy that agreed long; priced by position alone, the two
-    # cannot be told apart.
+def test_a_copy_is_verified_as_far_as_the_runs_estimates_by_position_pay() -> None:
+    # A sequence's copy of 4 is right on its first two tokens and wrong on the
+    # third, every time: the estimates per position learn it, and the plan
+    # verifies the first two alone, where a further row costs 2 ms for
+    # nothing.
     lookup = PromptLookupConfig(ngram=2, min_match=3, max_drafts=8, miss_backoff=0)
 
     def step_s(rows: int) -> float:
@@ -106,39 +103,35 @@ def test_a_copy_is_priced_by_how_long_its_source_agreed(priced_by_agreement: boo
     costs = CostModel(FakeClock())
     for rows in range(1, 6):
         costs.verify.observe(rows, step_s(rows))
-    without = () if priced_by_agreement else ("agreement",)
-    policy = policy_on(costs, lookup, without=without)
-    # The last token 2 followed 1 at position 2, before which 50 and 60
-    # differ: an agreement of 2. The last 16 tokens occurred before, after
-    # 70: an agreement of 16. 6 tokens left: copies of 4.
-    short = decoding(0, (50, 1, 2, 3, 4, 5, 60, 1), max_tokens=6, token=2)
+    policy = policy_on(costs, lookup)
+    # The last 16 tokens occurred before, followed by 1 2 3 4 5; 6 tokens
+    # left: copies of 4.
     stretch = list(range(100, 116))
-    long = decoding(1, (70, *stretch, 1, 2, 3, 4, 5, *stretch[:-1]), max_tokens=6, token=115)
-    model_says = {0: [7, 7, 7, 7, 7], 1: [1, 2, 3, 4, 5]}  # what the model emits next
+    seq = decoding(0, (70, *stretch, 1, 2, 3, 4, 5, *stretch[:-1]), max_tokens=6, token=115)
+    model_says = [1, 2, 9, 9, 9]  # what the model emits next
 
-    def offer(seq: SeqState) -> list[int]:
+    def offer() -> list[int]:
         """The drafts the policy verifies for ``seq`` alone, and their verify."""
-        queues = Queues(decoding=[seq])
-        took = policy.take_drafts([seq], queues)
-        drafts, says = list(seq.pending_drafts), model_says[seq.slot]
+        took = policy.take_drafts([seq], Queues(decoding=[seq]))
+        drafts = list(seq.pending_drafts)
         accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == says[accepted]:
+        while accepted < len(drafts) and drafts[accepted] == model_says[accepted]:
             accepted += 1
-        produced = says[: accepted + 1]  # the accepted drafts and the bonus token
+        produced = model_says[: accepted + 1]  # the accepted drafts and the bonus token
         rows = 1 + len(drafts)
-        policy.verified(
-            StepTimes(verify_s=step_s(rows), verify_rows=rows, produced={seq.slot: produced})
-        )
+        policy.verified(StepTimes(verify_s=step_s(rows), verify_rows=rows, produced={0: produced}))
         settle_copies(took, None, LookupStats())
         return drafts
 
     for _ in range(30):
-        offer(short)
-        offer(long)
-    if priced_by_agreement:
-        assert offer(short) == [] and offer(long) == [1, 2, 3, 4]
-    else:
-        assert len(offer(short)) == len(offer(long))
+        offer()
+    assert offer() == [1, 2]
+    # From here every copy is wrong: the estimates, decayed slowly over the
+    # run, unlearn what they saw, and the copies stop.
+    model_says[:2] = [8, 8]
+    for _ in range(150):
+        offer()
+    assert offer() == []
 
 
 def test_a_held_prompt_goes_to_the_head_only_where_its_chain_repays_it() -> None:
@@ -272,14 +265,13 @@ def test_above_max_seqs_where_no_chain_could_pay_a_full_hold_is_fed() -> None:
     assert {len(feed.next_ids) for feed in fed.values()} == {HOLD_MAX + 1}
 
 
-def test_the_shared_head_prices_chains_by_the_forwards_a_step_lately_ran() -> None:
-    # 16 sequences at 100 tokens/s whose rows cost 0.45 token: a first draft
-    # at the prior adds 0.05 a step. A head forward of 1 ms for one (0.1
-    # token), 4 ms for sixteen: alone no chain pays; all sixteen together
-    # pay 0.4 of their 0.8.
+def test_a_chain_drafts_where_it_pays_the_forwards_a_step_lately_ran() -> None:
+    # 16 sequences at 100 tokens/s whose rows cost 0.25 token: a first draft
+    # at the prior adds 0.25 a step. A head forward of 1 ms for one (0.1
+    # token): every chain pays its forward.
     costs = CostModel(FakeClock())
     costs.verify.observe(16, 0.160)
-    costs.verify.observe(32, 0.232)
+    costs.verify.observe(32, 0.200)
     costs.head.observe(1, 0.001)
     costs.head.observe(16, 0.004)
     policy = policy_on(costs)
@@ -296,7 +288,7 @@ def test_the_shared_head_prices_chains_by_the_forwards_a_step_lately_ran() -> No
 
     assert fed() == list(range(16))
     # Steps whose head calls ran three forwards each (chains two drafts
-    # deeper): the sixteen no longer pay 1.2, and every chain rests.
+    # deeper): 0.3 token a chain, and every chain rests.
     feeds = [DraftFeed(seq, seq.seq_len, [seq.last_token], 1) for seq in batch]
     for _ in range(40):
         policy.head_ran(feeds, 3, 3 * 0.004)

@@ -24,13 +24,10 @@ from metrale.engine.spec.budget import (
     Candidates,
     DraftBudget,
     chain_worth,
-    first_draft_shares,
-    first_draft_worth,
     marginal_row_s,
 )
 from metrale.engine.spec.copies import BATCHED_COPY_MAX
 from metrale.engine.spec.cost import CostModel
-from metrale.engine.spec.estimates import RUN_DECAY, RUN_STRENGTH, Rates
 from metrale.engine.spec.plan import Plan
 from metrale.lookup import PromptLookupConfig
 from tests.support.engine_runs import check_figures_add_up
@@ -89,27 +86,19 @@ def test_a_chain_is_worth_its_gain_less_its_rows_time_over_the_best_other_choice
     assert chain_worth([chain, copy], (-1, 0), took_copy, step_s) == 0.0
 
 
-def test_a_chain_not_valued_yet_is_priced_by_its_first_drafts_confidence() -> None:
+def test_a_chain_not_valued_yet_is_priced_by_the_runs_first_drafts() -> None:
     # At 4 sequences, a 20 ms step (200 tokens/s) and 1.25 ms a row: a first
     # draft's row costs 0.25 token.
     costs = CostModel(FakeClock())
     for rows, seconds in ((4, 0.020), (8, 0.025)):
         costs.verify.observe(rows, seconds)
-    row = 200.0 * marginal_row_s(costs.verify, 4, 4)
-    assert row == pytest.approx(0.25)
-    rates = Rates(RUN_DECAY, RUN_STRENGTH)
-    assert first_draft_shares(rates) == []
-    assert first_draft_worth(rates, row, []) == pytest.approx(0.5 - 0.25)  # the prior
-    # Half the run's first drafts fall in a bin right 9 times in 10, half in
-    # one never right: the plan verifies only the first, worth 0.9 - 0.25.
+    assert 200.0 * marginal_row_s(costs.verify, 4, 4) == pytest.approx(0.25)
+    budget = DraftBudget(costs)
+    assert budget.predicted_value(4) == pytest.approx(0.5 - 0.25)  # the prior
+    # The run's first drafts are right 9 times in 10: worth 0.9 less the row.
     for i in range(200):
-        rates.observe(("mtp", 0, 5), i % 10 != 0)
-        rates.observe(("mtp", 0, 0), False)
-    shares = first_draft_shares(rates)
-    assert shares == [(0, pytest.approx(0.5)), (5, pytest.approx(0.5))]
-    expected = 0.5 * (rates.rate(("mtp", 0, 5)) - 0.25)
-    assert first_draft_worth(rates, row, shares) == pytest.approx(expected)
-    assert first_draft_worth(rates, row, shares) == pytest.approx(0.5 * (0.9 - 0.25), abs=0.02)
+        budget.rates.observe(("mtp", 0), i % 10 != 0)
+    assert budget.predicted_value(4) == pytest.approx(0.9 - 0.25, abs=0.02)
 
 
 def test_a_chain_is_priced_at_the_batch_to_come_not_at_a_smaller_last_plan() -> None:
@@ -121,19 +110,13 @@ def test_a_chain_is_priced_at_the_batch_to_come_not_at_a_smaller_last_plan() -> 
     for rows, seconds in ((1, 0.010), (2, 0.0101), (16, 0.020), (32, 0.040)):
         costs.verify.observe(rows, seconds)
     budget = DraftBudget(costs)
-    seqs = [
-        SeqState(Request(str(i), (1, 2), SamplingParams()), i, 64, frozenset(), None, None)
-        for i in range(16)
-    ]
-    unplanned = budget.predicted_value(seqs[1], 16)
+    unplanned = budget.predicted_value(16)
     budget.plan_sure(1, 1)  # the first sequence's step
-    assert budget.predicted_value(seqs[1], 1) > 0.45  # the lone step's row is nearly free
-    assert budget.predicted_value(seqs[1], 16) == pytest.approx(unplanned)
+    assert budget.predicted_value(1) > 0.45  # the lone step's row is nearly free
+    assert budget.predicted_value(16) == pytest.approx(unplanned)
     assert unplanned < 0.0  # at sixteen a first draft at the prior does not pay its row
     budget.plan_sure(16, 16)  # a plan of sixteen prices sixteen
-    assert budget.predicted_value(seqs[1], 16) == pytest.approx(
-        0.5 - budget.rate_s * budget.marginal_s
-    )
+    assert budget.predicted_value(16) == pytest.approx(0.5 - budget.rate_s * budget.marginal_s)
 
 
 def test_a_step_with_nothing_to_offer_moves_the_prices_as_its_plan_would() -> None:

@@ -1,16 +1,16 @@
-"""The chain's rest (``spec/rest.py``): which chains share the head forward,
-which join it, and whether a resting chain could repay its held rows, as
-pure functions of the costs and estimates (the schedule itself is driven
-through ``AutoPolicy`` in ``test_auto.py``)."""
+"""The chain's rest (``spec/rest.py``): which chains pay the head's
+forwards, whether any could, and whether a resting chain could repay its
+held rows, as pure functions of the costs and estimates (the schedule
+itself is driven through ``AutoPolicy`` in ``test_auto.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from metrale.engine.spec.budget import first_draft_worth, marginal_row_s
+from metrale.engine.spec.budget import DraftBudget, marginal_row_s
 from metrale.engine.spec.cost import CostModel
 from metrale.engine.spec.estimates import RUN_DECAY, RUN_STRENGTH, Rates
-from metrale.engine.spec.rest import chain_margin, chains_sharing, joins, repays_held
+from metrale.engine.spec.rest import chain_margin, pays_head, repays_held
 from tests.support.fake_model import FakeClock
 
 
@@ -28,20 +28,15 @@ def head_of_sixteen() -> CostModel:
     return costs
 
 
-def test_chains_too_poor_alone_share_the_head_forward_together() -> None:
+def test_a_chain_drafts_where_what_it_adds_pays_the_head_forwards_for_it() -> None:
     head, price = head_of_sixteen().head, 100.0  # 100 tokens/s, one forward a step
-    # 0.05 token a step each: alone, none pays its 0.1; all 16 together (0.8)
-    # pay their 0.4.
-    assert chains_sharing([0.05] * 16, price, head) == 16
-    assert chains_sharing([0.05] + [0.0] * 15, price, head) == 0
-    # Four chains at 0.2 pay a forward of 4 (0.16); a chain at 0.01 adds less
-    # than the 0.02 its feed adds to the forward.
-    assert chains_sharing([0.2] * 4 + [0.01] * 12, price, head) == 4
-    assert chains_sharing([], price, head) == 0
-    # Where a step whose chains ran takes three head forwards (chains two
-    # drafts deeper), the 16 chains at 0.05 no longer pay 1.2; at 0.2 they do.
-    assert chains_sharing([0.05] * 16, 3 * price, head) == 0
-    assert chains_sharing([0.2] * 16, 3 * price, head) == 16
+    # A forward of its own: 1 ms, 0.1 token.
+    assert not pays_head(0.09, price, head)
+    assert pays_head(0.11, price, head)
+    # Where a step whose chains ran takes three forwards (chains two drafts
+    # deeper), 0.11 no longer pays 0.3; a chain worth nothing never drafts.
+    assert not pays_head(0.11, 3 * price, head)
+    assert not pays_head(0.0, 0.0, head)
 
 
 def test_chains_never_valued_are_priced_by_a_first_draft_less_its_row() -> None:
@@ -50,26 +45,9 @@ def test_chains_never_valued_are_priced_by_a_first_draft_less_its_row() -> None:
     # at the prior's 0.5 is worth 0.5 less that: none is worth running.
     row = 100.0 * marginal_row_s(costs.verify, 16, 16)
     assert row == pytest.approx(1.0)
-    value = first_draft_worth(fresh_rates(), row, [])
+    value = DraftBudget(costs).predicted_value(16)
     assert value == pytest.approx(-0.5)
-    assert chains_sharing([value] * 16, 100.0, costs.head) == 0
-
-
-def test_a_chain_the_choice_did_not_price_joins_where_it_pays_its_feed() -> None:
-    head, price = head_of_sixteen().head, 100.0
-    # Beside four chains, its feed adds 0.2 ms to the forward: 0.02 token.
-    assert joins(0.03, price, head, 4)
-    assert not joins(0.015, price, head, 4)
-    # Where none was chosen it pays a forward of its own: 0.1 token.
-    assert not joins(0.09, price, head, 0)
-    assert joins(0.11, price, head, 0)
-    # Where one more feed adds nothing to the forward (as many feeds cost
-    # the same from eight to sixteen), a chain worth nothing does not join.
-    flat = head_of_sixteen().head
-    flat.observe(8, 0.004)
-    assert flat.predict(11) == flat.predict(10)
-    assert not joins(0.0, price, flat, 10)
-    assert joins(0.01, price, flat, 10)
+    assert not pays_head(value, 100.0, costs.head)
 
 
 def test_no_chain_could_pay_where_a_row_costs_a_token_and_could_as_the_batch_thins() -> None:
@@ -101,22 +79,19 @@ def four_sequence_costs() -> CostModel:
     return costs
 
 
-def test_a_chain_may_pay_by_its_confidence_bins_as_often_as_the_run_meets_them() -> None:
+def test_a_chain_may_pay_by_its_first_drafts_as_high_as_the_run_counts_allow() -> None:
     costs, rates = four_sequence_costs(), fresh_rates()
     # Nothing scored: a first draft is believed sure.
     assert chain_margin(costs, rates, 4)[0] == pytest.approx(1.0 - 0.25 - 0.2)
-    # 40 first drafts at low confidence, none accepted; 10 in the top bin,
-    # all accepted: worth (1 - 0.25) a fifth of the steps, 0.15 token, under
-    # the head's 0.2.
-    for _ in range(40):
-        rates.observe(("mtp", 0, 0), False)
-    for _ in range(10):
-        rates.observe(("mtp", 0, 5), True)
-    assert chain_margin(costs, rates, 4)[0] <= 0
-    # Four times as many in the top bin: worth 0.75 * 40/80 = 0.375 token.
-    for _ in range(30):
-        rates.observe(("mtp", 0, 5), True)
-    assert chain_margin(costs, rates, 4)[0] == pytest.approx(0.175, abs=0.02)
+    # 18 first drafts scored, 6 accepted: (6 + 2) / (18 + 2) = 0.4, less the
+    # row's 0.25, is 0.15 token, under the head's 0.2.
+    for accepted in [True] * 6 + [False] * 12:
+        rates.observe(("mtp", 0), accepted)
+    assert chain_margin(costs, rates, 4)[0] == pytest.approx(0.15 - 0.2, abs=0.01)
+    # 12 more, all accepted: (18 + 2) / (30 + 2) = 0.625, 0.375 less the row.
+    for _ in range(12):
+        rates.observe(("mtp", 0), True)
+    assert chain_margin(costs, rates, 4)[0] == pytest.approx(0.175, abs=0.01)
 
 
 def test_the_chain_margin_follows_every_figure_it_reads_and_each_moves_its_key() -> None:
@@ -139,7 +114,7 @@ def test_the_chain_margin_follows_every_figure_it_reads_and_each_moves_its_key()
     assert moved() and chain_margin(costs, rates, 4)[0] == pytest.approx(0.4825)
     costs.observe_other(0.020)  # a 40 ms step: every token's share halves
     assert moved() and chain_margin(costs, rates, 4)[0] == pytest.approx(0.74125)
-    rates.observe(("mtp", 0, 5), False)  # a first draft missed: worth 2/3
+    rates.observe(("mtp", 0), False)  # a first draft missed: worth 2/3
     assert moved()
     assert chain_margin(costs, rates, 4)[0] == pytest.approx(2 / 3 - 0.14375 - 0.115)
     assert chain_margin(costs, rates, 2) != chain_margin(costs, rates, 4)
