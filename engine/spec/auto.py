@@ -143,6 +143,12 @@ def score_offers(
             budget.observe_counts(seq, offer.source, offer.drafts, len(tokens) - 1)
 
 
+def sharing(queues: Queues) -> int:
+    """The sequences that share the steps to come: those decoding, those
+    whose prompts are still being read and those waiting to copy a prefix."""
+    return queues.running() + len(queues.prefilling) + queues.attached
+
+
 class AutoPolicy:
     """The draft budget as a ``DraftPolicy`` (module doc)."""
 
@@ -164,6 +170,7 @@ class AutoPolicy:
         self._offers: list[Offer] = []
         self._quiet = False  # this step, every chain rests (``take_drafts``)
         self._released = 0  # held rows fed to the head this step
+        self._sharing = 0  # sequences sharing the steps to come (``sharing``)
         self._snapshot: BudgetStats | None = None
         self._published = 0.0
 
@@ -222,9 +229,7 @@ class AutoPolicy:
             # Rows lent with a reused prefix come first.
             start, next_ids, rows = rest.release(seq, start, next_ids, rows)
         else:
-            # Every sequence admitted shares the steps to come, those whose
-            # prompts are still being read or who wait to copy a prefix too.
-            live = queues.running() + len(queues.prefilling) + queues.attached
+            live = sharing(queues)
             # Another request copies these rows, and cannot take them held.
             waited = seq.waited_on > 0 and not rest.lendable(seq, start)
             if waited:
@@ -241,8 +246,10 @@ class AutoPolicy:
 
     def before_head(self, batch: Sequence[SeqState], queues: Queues) -> None:
         """Readies the step's head forward: the held rows it takes are counted
-        afresh, and the rest learns whether the batch only thins from here."""
+        afresh, the chains are priced at every sequence that shares the steps
+        to come, and the rest learns whether the batch only thins from here."""
         self._released = 0
+        self._sharing = sharing(queues)
         self.rest.draining = queues.draining()
 
     def head_feed(
@@ -255,11 +262,17 @@ class AutoPolicy:
     ) -> Feed | None:
         """A resting chain's rows wait; a drafting one takes them all, as
         does one whose rows another request waits to copy and could not
-        take held (``ChainRest.lendable``)."""
+        take held (``ChainRest.lendable``). A chain is priced at the
+        sequences that share the steps to come (``sharing``), not only those
+        decoding now: a batch's first request often decodes alone while the
+        others read their prompts or wait on its prefix, and a chain started
+        at that lone step's prices would rest again a step later, its head
+        forward wasted."""
         rest = self.rest
+        live = max(running, self._sharing)
         # Another request copies these rows, and cannot take them held.
         waited = seq.waited_on > 0 and not rest.lendable(seq, start)
-        if not waited and not rest.wants_chain(seq, running, quiet=self._quiet):
+        if not waited and not rest.wants_chain(seq, live, quiet=self._quiet):
             rest.hold(seq, start, next_ids, rows)
             return None
         self._released += rest.held_rows(seq)

@@ -194,6 +194,20 @@ def test_above_max_seqs_no_chain_drafts_where_none_could_pay_until_the_batch_thi
     assert list(fed) == [0] and len(fed[0].next_ids) == 21
 
 
+def test_a_chain_is_priced_at_every_sequence_that_shares_the_steps_to_come() -> None:
+    # A batch's first request decodes alone while the others read their
+    # prompts or wait to copy its prefix: priced at that lone step, where a
+    # row is nearly free, its chain would start, and rest again once they
+    # decode beside it. Alone for good, it drafts.
+    policy = policy_on(costs_a_token_a_row_at_sixteen())
+    first = decoding(0, max_tokens=1000)
+    reading = [decoding(slot, max_tokens=1000) for slot in range(1, 16)]
+    assert head_step(policy, [first], Queues(decoding=[first], prefilling=reading)) == {}
+    assert head_step(policy, [first], Queues(decoding=[first], attached=15)) == {}
+    fed = head_step(policy, [first], Queues(decoding=[first]))
+    assert list(fed) == [0] and len(fed[0].next_ids) == 3  # the two rows it held, and this one
+
+
 def verified_step(policy: AutoPolicy, batch: list[SeqState], queues: Queues) -> list[int]:
     """``head_step`` with a verify between the plan and the head, where every
     draft is accepted; returns the slots fed."""
